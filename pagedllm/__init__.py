@@ -1,0 +1,10 @@
+"""pagedllm: a CPU-first LLM inference and serving engine built on PagedAttention."""
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.llm import LLM
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,151 @@
+"""Engine options (vLLM ``EngineArgs`` names) and the KV-cache sizing that follows from them."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "auto": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "half": torch.bfloat16,
+    "float16": torch.bfloat16,
+    "fp16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+
+# vLLM options that pagedllm accepts because they change nothing here.
+_NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "tokenizer_mode",
+                  "disable_custom_all_reduce"}
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option, with vLLM's names and meanings.
+
+    Attributes:
+        model: a GGUF file or a Hugging Face folder; None = the default SmolLM2-135M-Instruct.
+        dtype: compute dtype: ``auto`` (bfloat16), ``bfloat16``, ``float``/``float32``;
+            ``half``/``float16`` run as bfloat16 on the CPU (with a warning), as vLLM's CPU
+            backend does.
+        max_model_len: most tokens (prompt + output) per request; None = the model's context
+            length, capped by what the KV cache holds.
+        block_size: tokens per KV block.
+        kv_cache_memory_bytes: the KV cache budget in bytes; when None it comes from
+            ``memory_utilization``.
+        memory_utilization: fraction of the machine's memory this process may use; the KV
+            cache gets what is left after the weights and the activation peak of a warm-up
+            step (``gpu_memory_utilization`` is accepted as its vLLM name).
+        num_gpu_blocks_override: force the number of KV blocks (vLLM's name; for tests).
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: most tokens computed in one step (prefill is chunked to fit).
+        enable_prefix_caching: reuse the KV blocks of identical prompt prefixes.
+        seed: seed of the global sampling generator.
+        tensor_parallel_size, pipeline_parallel_size: only 1 is supported.
+    """
+
+    model: Optional[str] = None
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    block_size: int = 16
+    kv_cache_memory_bytes: Optional[int] = None
+    memory_utilization: float = 0.9
+    num_gpu_blocks_override: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        """Build from keyword arguments as vLLM's ``LLM(...)`` takes them.
+
+        Raises:
+            ValueError: an option pagedllm does not know or does not support.
+        """
+        if "gpu_memory_utilization" in kwargs:
+            value = kwargs.pop("gpu_memory_utilization")
+            if value is not None:
+                kwargs["memory_utilization"] = value
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in list(kwargs):
+            if key in _NO_OP_OPTIONS:
+                kwargs.pop(key)
+            elif key not in names:
+                raise ValueError(f"option {key!r} is not supported by pagedllm")
+        args = cls(**kwargs)
+        args.verify()
+        return args
+
+    def verify(self) -> None:
+        """Check every option alone (limits that need the model are checked at engine start).
+
+        Raises:
+            ValueError: naming the option, its value and the allowed range.
+        """
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs}): every running request needs "
+                             "a token of the budget to decode")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"{name}={getattr(self, name)} is not supported: pagedllm runs on one CPU "
+                                 "process (use 1)")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype in ("half", "float16", "fp16"):
+            logger.warning("dtype=%s runs as bfloat16 on the CPU", self.dtype)
+        return _DTYPES[self.dtype]
+
+
+def kv_cache_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                             dtype: torch.dtype) -> int:
+    """Bytes of one block: K and V, every layer, ``block_size`` tokens."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+
+def machine_memory() -> tuple[int, int]:
+    """``(total, available)`` bytes of system memory, from /proc/meminfo."""
+    values = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, rest = line.split(":", 1)
+            values[key] = int(rest.split()[0]) * 1024
+    return values["MemTotal"], values.get("MemAvailable", values["MemFree"])
+
+
+def process_memory() -> int:
+    """Resident set size of this process in bytes."""
+    with open(f"/proc/{os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0

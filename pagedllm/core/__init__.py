@@ -1,0 +1,1 @@
+"""Scheduling policy and KV block bookkeeping. Nothing in here touches tensors."""

@@ -1,0 +1,88 @@
+"""One sequence being generated: its tokens, progress and status (vLLM v1 ``Request``)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """A single sequence: prompt tokens, generated tokens and how far the KV cache has them.
+
+    The one progress counter is ``num_computed_tokens``: how many of ``all_token_ids`` have
+    their K/V in the cache. Prefill, chunked prefill, decode and recompute after preemption
+    are all "compute tokens ``[num_computed_tokens, num_tokens)``" (vLLM v1's design), so there
+    is no phase flag to get out of sync.
+
+    Attributes:
+        request_id: unique id of this sequence (a sample of an ``n > 1`` request gets its own).
+        prompt_token_ids: prompt tokens, length >= 1.
+        output_token_ids: generated tokens so far.
+        max_tokens: resolved generation limit in tokens (never None here).
+        generator: per-request ``torch.Generator`` when ``sampling_params.seed`` is set; it
+            lives on the request so that a preempted request continues the same random stream.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 max_tokens: int, eos_token_id: Optional[int], arrival_time: Optional[float] = None,
+                 seed_offset: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.stop_reason: Optional[int] = None
+        self.generator: Optional[torch.Generator] = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed + seed_offset)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_id_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.status.value if self.status.finished else None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, "
+                f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens})")

@@ -1,0 +1,189 @@
+"""Continuous batching with chunked prefill and preemption (vLLM v1 ``core/sched/scheduler.py``).
+
+Policy only: who runs this step and with how many tokens. Which physical block holds what is
+the KV cache manager's business; tensors are the model runner's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runs in one step.
+
+    Attributes:
+        scheduled: ``(request, num_new_tokens)`` pairs; the request computes its tokens
+            ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``.
+        preempted: requests whose blocks were taken back during this schedule call.
+    """
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """First-come-first-served continuous batching under a per-step token budget.
+
+    Each step walks the running requests first (oldest first), then admits waiting ones while
+    the budget ``max_num_batched_tokens``, the ``max_num_seqs`` limit and free blocks allow. A
+    prompt longer than the budget is prefilled in chunks over several steps. When a running
+    request needs a block and none is free, the most recently arrived running request is
+    preempted: its blocks are freed and it goes back to the front of the waiting queue, to be
+    recomputed (prompt and generated tokens) when it is admitted again.
+
+    Args:
+        kv_cache_manager: owner of the block tables.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: most tokens computed in one step.
+        max_model_len: most tokens (prompt + output) of one request.
+    """
+
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------------------- queues
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests now (abort): free their blocks and drop them from the queues.
+
+        Unknown or already finished ids are ignored. Returns the requests that were ended.
+        """
+        ended = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self.kv_cache_manager.free(request)
+            ended.append(request)
+        return ended
+
+    # ----------------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        token_budget = self.max_num_batched_tokens
+
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            assert num_new_tokens > 0, request
+            while not self.kv_cache_manager.allocate_slots(request, num_new_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                output.scheduled.append((request, num_new_tokens))
+                token_budget -= num_new_tokens
+                index += 1
+
+        # Nobody was preempted this step, so there is room to admit new work.
+        while (self.waiting and token_budget > 0 and not output.preempted
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if not self.kv_cache_manager.allocate_slots(request, num_new_tokens):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled.append((request, num_new_tokens))
+            token_budget -= num_new_tokens
+
+        # Keep the running list oldest-first so that the tail is always the preemption victim.
+        self.running.sort(key=lambda r: r.arrival_time)
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ----------------------------------------------------------------------------- update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advance progress after the model ran; append sampled tokens; finish requests.
+
+        Args:
+            scheduler_output: what was scheduled.
+            sampled_token_ids: request_id -> new token, for the requests whose scheduled
+                chunk reached their last token.
+
+        Returns:
+            The requests that finished in this step (their blocks are already freed).
+        """
+        finished = []
+        for request, num_new_tokens in scheduler_output.scheduled:
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += num_new_tokens
+            token_id = sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue
+            request.output_token_ids.append(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                request.status = status
+                self.running.remove(request)
+                del self.requests[request.request_id]
+                self.kv_cache_manager.free(request)
+                finished.append(request)
+        return finished
+
+    def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id == request.eos_token_id:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

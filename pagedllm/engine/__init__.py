@@ -1,0 +1,1 @@
+"""The engine loop: requests in, scheduler + model runner per step, outputs out."""

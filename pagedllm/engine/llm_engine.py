@@ -1,0 +1,311 @@
+"""``LLMEngine``: admission, the step loop and outputs (vLLM ``LLMEngine``).
+
+One ``step()``: the scheduler picks the batch, the model runner computes it and samples, the
+scheduler advances every request and frees the blocks of finished ones, and the engine turns
+the changed requests into ``RequestOutput``s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+from pagedllm.config import (EngineArgs, kv_cache_bytes_per_block, machine_memory,
+                             process_memory)
+from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.models.loader import build_model, load_checkpoint, load_tokenizer, resolve_model_path
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, dict, list]
+
+
+@dataclass
+class ParentRequest:
+    """A user request: one prompt and its ``n`` samples (one ``Request`` each)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    children: list[Request] = field(default_factory=list)
+
+
+class LLMEngine:
+    """The synchronous engine.
+
+    Args:
+        engine_args: the options.
+        model: an already built model (tests build tiny random ones); None loads
+            ``engine_args.model``.
+        tokenizer: the tokenizer to use with ``model``; may be None when only token ids are
+            given (then ``text`` is empty).
+
+    Raises:
+        ValueError: a configuration that cannot run (for instance a KV cache smaller than one
+            ``max_model_len`` request).
+    """
+
+    def __init__(self, engine_args: EngineArgs, model: Optional[LlamaForCausalLM] = None,
+                 tokenizer: Any = None) -> None:
+        engine_args.verify()
+        self.args = engine_args
+        torch.manual_seed(engine_args.seed)
+        if model is None:
+            path = resolve_model_path(engine_args.model)
+            start = time.perf_counter()
+            config, state_dict = load_checkpoint(path)
+            model = build_model(config, state_dict, engine_args.torch_dtype)
+            del state_dict
+            tokenizer = load_tokenizer(path)
+            logger.info("loaded %s in %.1f s", path, time.perf_counter() - start)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_config = model.config
+        self.eos_token_id = self.model_config.eos_token_id
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_id = tokenizer.eos_token_id
+
+        block_size = engine_args.block_size
+        num_blocks = self._determine_num_blocks()
+        capacity = num_blocks * block_size
+        model_len = self.model_config.max_position_embeddings
+        if engine_args.max_model_len is None:
+            self.max_model_len = min(model_len, capacity)
+            if capacity < model_len:
+                logger.warning("max_model_len capped at %d tokens (the KV cache capacity; the model "
+                               "allows %d)", capacity, model_len)
+        else:
+            self.max_model_len = engine_args.max_model_len
+            if self.max_model_len > model_len:
+                raise ValueError(f"max_model_len={self.max_model_len} is larger than the model's "
+                                 f"context length {model_len}")
+            if self.max_model_len > capacity:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}), fewer "
+                    f"than one request of max_model_len={self.max_model_len}: lower max_model_len or "
+                    "raise kv_cache_memory_bytes / memory_utilization")
+        self.num_blocks = num_blocks
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.kv_cache_manager, engine_args.max_num_seqs,
+                                   engine_args.max_num_batched_tokens, self.max_model_len)
+        self.model_runner = ModelRunner(model, num_blocks, block_size, engine_args.seed)
+        bytes_per_block = self._bytes_per_block()
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; %d requests of "
+                    "max_model_len=%d fit at once", num_blocks, block_size, capacity,
+                    num_blocks * bytes_per_block / 2**20, capacity // self.max_model_len,
+                    self.max_model_len)
+        self.parents: dict[str, ParentRequest] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._pending_outputs: list[RequestOutput] = []
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+        return cls(engine_args)
+
+    # ----------------------------------------------------------------------------- sizing
+    def _bytes_per_block(self) -> int:
+        c = self.model_config
+        return kv_cache_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                                        self.args.block_size, self.model.embed_tokens.weight.dtype)
+
+    def _determine_num_blocks(self) -> int:
+        args = self.args
+        bytes_per_block = self._bytes_per_block()
+        if args.num_gpu_blocks_override is not None:
+            return args.num_gpu_blocks_override
+        if args.kv_cache_memory_bytes is not None:
+            budget = args.kv_cache_memory_bytes
+        else:
+            total, available = machine_memory()
+            used = process_memory()
+            peak = self._profile_activation_peak()
+            allowed = min(args.memory_utilization * total, used + available)
+            budget = int(allowed - used - peak)
+            logger.info("memory: %.0f MiB total, process %.0f MiB, warm-up activation peak %.0f MiB, "
+                        "KV budget %.0f MiB", total / 2**20, used / 2**20, peak / 2**20, budget / 2**20)
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {bytes_per_block} "
+                             "bytes: raise kv_cache_memory_bytes or memory_utilization")
+        return int(num_blocks)
+
+    def _profile_activation_peak(self) -> int:
+        """Peak extra resident memory (bytes) of one step at ``max_num_batched_tokens``."""
+        num_tokens = min(self.args.max_num_batched_tokens, self.model_config.max_position_embeddings)
+        runner = ModelRunner(self.model, cdiv(num_tokens, self.args.block_size), self.args.block_size)
+        params = SamplingParams(max_tokens=1)
+        request = Request("profile", [0] * num_tokens, params, max_tokens=1, eos_token_id=None)
+        table = list(range(runner.num_blocks))
+        before = process_memory()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM, the peak resident set size
+        except OSError:
+            pass
+        runner.execute_model([(request, num_tokens)], {"profile": table})
+        with open("/proc/self/status") as f:
+            peak = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), before)
+        return max(0, peak - before)
+
+    # ----------------------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None) -> None:
+        """Queue a request.
+
+        Args:
+            request_id: unique among unfinished requests.
+            prompt: text, ``{"prompt_token_ids": [...]}`` (or ``{"prompt": text}``), or a list
+                of token ids.
+            params: sampling parameters (default ``SamplingParams()``).
+
+        Raises:
+            ValueError: empty prompt, token ids out of the vocabulary, a prompt that cannot fit
+                ``max_model_len`` (or ``prompt + max_tokens`` beyond it), ``n`` above
+                ``max_num_seqs``, or a duplicate ``request_id``. Nothing is queued then.
+        """
+        params = params or SamplingParams()
+        if request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        prompt_text, prompt_token_ids = self._tokenize(prompt)
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty (0 tokens); give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if num_prompt + 1 > self.max_model_len:
+            raise ValueError(f"the prompt has {num_prompt} tokens, but max_model_len is {self.max_model_len} "
+                             f"and at least one token must be generated: the prompt may have at most "
+                             f"{self.max_model_len - 1} tokens")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt
+        elif num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
+                             f"{num_prompt + max_tokens} tokens exceeds max_model_len={self.max_model_len}")
+        if params.n > self.args.max_num_seqs:
+            raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}: "
+                             "the samples of one request must run together")
+        needed = cdiv(num_prompt + max_tokens, self.args.block_size) * params.n
+        if needed > self.num_blocks:
+            raise ValueError(f"the request needs {needed} KV blocks (n={params.n} x {num_prompt + max_tokens} "
+                             f"tokens) but the KV cache has {self.num_blocks} blocks of "
+                             f"{self.args.block_size} tokens")
+        parent = ParentRequest(request_id, prompt_text, prompt_token_ids)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            parent.children.append(Request(child_id, prompt_token_ids, params, max_tokens,
+                                           self.eos_token_id, arrival_time, seed_offset=index))
+        self.parents[request_id] = parent
+        for child in parent.children:
+            self._child_to_parent[child.request_id] = request_id
+        for child in parent.children:
+            if max_tokens == 0:
+                child.status = RequestStatus.FINISHED_LENGTH
+            else:
+                self.scheduler.add_request(child)
+        if max_tokens == 0:
+            self._pending_outputs.append(self._make_output(parent))
+            self._forget(request_id)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: give prompt_token_ids")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def abort_request(self, request_id: Union[str, list[str]]) -> None:
+        """End requests now, waiting or running: every block is freed at once. The final
+        ``RequestOutput`` (finish_reason ``"abort"``) comes out of the next ``step()``.
+        Unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            parent = self.parents.get(rid)
+            if parent is None:
+                continue
+            self.scheduler.finish_requests([c.request_id for c in parent.children],
+                                           RequestStatus.FINISHED_ABORTED)
+            for child in parent.children:
+                if not child.is_finished():
+                    child.status = RequestStatus.FINISHED_ABORTED
+            self._pending_outputs.append(self._make_output(parent))
+            self._forget(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents) or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    # ----------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling + model step.
+
+        Returns:
+            A ``RequestOutput`` (cumulative) for every request that got a token, finished or
+            was aborted since the last step.
+        """
+        outputs, self._pending_outputs = self._pending_outputs, []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return outputs
+        block_tables = {request.request_id: self.kv_cache_manager.get_block_ids(request.request_id)
+                        for request, _ in scheduler_output.scheduled}
+        sampled = self.model_runner.execute_model(scheduler_output.scheduled, block_tables)
+        self.scheduler.update_from_output(scheduler_output, sampled)
+        changed = {self._child_to_parent[request_id] for request_id in sampled}
+        for parent_id in [pid for pid in self.parents if pid in changed]:
+            output = self._make_output(self.parents[parent_id])
+            outputs.append(output)
+            if output.finished:
+                self._forget(parent_id)
+        return outputs
+
+    def _forget(self, parent_id: str) -> None:
+        for child in self.parents.pop(parent_id).children:
+            del self._child_to_parent[child.request_id]
+
+    def _make_output(self, parent: ParentRequest) -> RequestOutput:
+        completions = []
+        for index, child in enumerate(parent.children):
+            completions.append(CompletionOutput(
+                index=index,
+                text=self._decode(child.output_token_ids, child),
+                token_ids=list(child.output_token_ids),
+                finish_reason=child.finish_reason,
+                stop_reason=child.stop_reason,
+            ))
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=all(c.is_finished() for c in parent.children),
+        )
+
+    def _decode(self, token_ids: list[int], request: Request) -> str:
+        if self.tokenizer is None or not token_ids:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)

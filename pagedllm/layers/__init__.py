@@ -1,0 +1,1 @@
+"""Building blocks of the models, written for the paged KV cache."""

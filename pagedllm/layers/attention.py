@@ -1,0 +1,145 @@
+"""Attention that reads K/V through block tables (PagedAttention, Kwon et al. 2023, section 4.1).
+
+The KV cache of one layer is two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+A token at position ``p`` of a sequence lives in slot ``p % block_size`` of physical block
+``block_table[p // block_size]``; its flat slot index (``slot_mapping``) is
+``block_id * block_size + p % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSequence:
+    """One sequence computing more than one token this step.
+
+    Attributes:
+        start, end: its rows in the flat token batch.
+        context_len: tokens in the cache after this step (``num_computed_tokens + end - start``).
+        block_table: ``[num_blocks_of_seq]`` int64 physical block ids.
+    """
+
+    start: int
+    end: int
+    context_len: int
+    block_table: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the flat batch writes and reads its K/V.
+
+    The batch holds the decode tokens first (one token per sequence), then the prefill chunks.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64 flat slot for each token's new K/V.
+        num_decode_tokens: how many leading rows are single-token sequences.
+        decode_block_tables: ``[num_decode_tokens, max_blocks]`` int64, padded with 0.
+        decode_context_lens: ``[num_decode_tokens]`` int64, tokens in cache including the new one.
+        prefills: the multi-token sequences, in batch order.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
+    prefills: list[PrefillSequence] = field(default_factory=list)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their slots, in place."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached context (pure torch reference).
+
+    Args:
+        query: ``[num_seqs, num_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_tables: ``[num_seqs, max_blocks]`` int64.
+        context_lens: ``[num_seqs]`` int64, >= 1.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in the query's dtype.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    max_len = block_tables.shape[1] * block_size
+    keys = key_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = value_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    positions = torch.arange(max_len)
+    mask = (positions[None, :] < context_lens[:, None]).view(num_seqs, 1, 1, max_len)
+    out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask,
+                                         scale=scale, enable_gqa=num_heads != num_kv_heads)
+    return out.squeeze(2)
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      seq: PrefillSequence, scale: float) -> torch.Tensor:
+    """Causal attention of a chunk of ``q_len`` tokens over its cached prefix and itself.
+
+    Args:
+        query: ``[q_len, num_heads, head_dim]``; key/value: ``[q_len, num_kv_heads, head_dim]``
+            (the chunk's own K/V, already written to the cache).
+        seq: where the chunk sits; the first ``context_len - q_len`` tokens are read from the
+            cache through ``seq.block_table``.
+
+    Returns:
+        ``[q_len, num_heads, head_dim]``.
+    """
+    q_len, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    gqa = num_heads != num_kv_heads
+    q = query.transpose(0, 1)
+    if seq.context_len == q_len:
+        return F.scaled_dot_product_attention(q, key.transpose(0, 1), value.transpose(0, 1),
+                                              is_causal=True, scale=scale,
+                                              enable_gqa=gqa).transpose(0, 1)
+    ctx = seq.context_len
+    keys = key_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+    values = value_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+    query_pos = torch.arange(ctx - q_len, ctx)
+    mask = torch.arange(ctx)[None, :] <= query_pos[:, None]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                          enable_gqa=gqa).transpose(0, 1)
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write this step's K/V to the cache, then attend for every token of the flat batch.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]``; key/value ``[num_tokens, num_kv_heads, head_dim]``.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]``.
+    """
+    write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+    num_decode = metadata.num_decode_tokens
+    if num_decode == query.shape[0] and not metadata.prefills:
+        return paged_decode_attention(query, key_cache, value_cache, metadata.decode_block_tables,
+                                      metadata.decode_context_lens, scale)
+    out = torch.empty_like(query)
+    if num_decode:
+        out[:num_decode] = paged_decode_attention(query[:num_decode], key_cache, value_cache,
+                                                  metadata.decode_block_tables,
+                                                  metadata.decode_context_lens, scale)
+    for seq in metadata.prefills:
+        out[seq.start:seq.end] = prefill_attention(query[seq.start:seq.end], key[seq.start:seq.end],
+                                                   value[seq.start:seq.end], key_cache, value_cache,
+                                                   seq, scale)
+    return out

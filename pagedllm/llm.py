@@ -1,0 +1,116 @@
+"""``LLM``: the offline API (vLLM ``vllm.LLM``)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate text for batches of prompts with the paged engine.
+
+    Takes every ``EngineArgs`` option as a keyword argument, with vLLM's names (for instance
+    ``LLM(model=..., dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
+    gpu_memory_utilization=0.85)``).
+
+    Raises:
+        ValueError: an unknown or unsupported option, or a configuration that cannot run.
+    """
+
+    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine(engine_args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion, all batched together.
+
+        Args:
+            prompts: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of those.
+            sampling_params: one for all prompts, or one per prompt.
+            use_tqdm: show a progress bar.
+
+        Returns:
+            One finished ``RequestOutput`` per prompt, in input order.
+
+        Raises:
+            ValueError: a prompt or parameter that can never run (nothing is left queued then).
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the model's chat template.
+
+        Args:
+            messages: one conversation (a list of ``{"role", "content"}``) or a list of them.
+
+        Returns:
+            One ``RequestOutput`` per conversation.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.encode_chat(conv, add_generation_prompt,
+                                                         continue_final_message)}
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def encode_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        """Token ids of a conversation through the chat template (special tokens added once)."""
+        tokenizer = self.llm_engine.tokenizer
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._counter))
+                engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except Exception:
+            engine.abort_request(request_ids)
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+        results: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+            progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [results[request_id] for request_id in request_ids]

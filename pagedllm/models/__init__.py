@@ -1,0 +1,1 @@
+"""Model families written in pagedllm's own layers, and their weight loaders."""

