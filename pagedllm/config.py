@@ -13,7 +13,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
-    "auto": torch.bfloat16,
+    "auto": None,  # resolved by default_cpu_dtype()
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
     "half": torch.bfloat16,
@@ -35,7 +35,8 @@ class EngineArgs:
 
     Attributes:
         model: a GGUF file or a Hugging Face folder; None = the default SmolLM2-135M-Instruct.
-        dtype: compute dtype: ``auto`` (bfloat16), ``bfloat16``, ``float``/``float32``;
+        dtype: compute dtype: ``auto`` (bfloat16 where the CPU has bf16 units, else float32;
+            see ``default_cpu_dtype``), ``bfloat16``, ``float``/``float32``;
             ``half``/``float16`` run as bfloat16 on the CPU (with a warning), as vLLM's CPU
             backend does.
         max_model_len: most tokens (prompt + output) per request; None = the model's context
@@ -122,7 +123,31 @@ class EngineArgs:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype in ("half", "float16", "fp16"):
             logger.warning("dtype=%s runs as bfloat16 on the CPU", self.dtype)
-        return _DTYPES[self.dtype]
+        return _DTYPES[self.dtype] or default_cpu_dtype()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def default_cpu_dtype() -> torch.dtype:
+    """bfloat16 where the CPU computes it natively (AMX-BF16 or AVX512-BF16), else float32.
+
+    Without those units torch emulates bf16 matmuls and they run about 4x slower than fp32
+    (measured on this project's 2-core AVX-512 machine: 0.06 vs 0.22 TFLOP/s at m=2048).
+    """
+    flags = cpu_flags()
+    if "amx_bf16" in flags or "avx512_bf16" in flags:
+        return torch.bfloat16
+    return torch.float32
 
 
 def kv_cache_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,

