@@ -185,15 +185,16 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         if num_prompt + 1 > self.max_model_len:
-            raise ValueError(f"the prompt has {num_prompt} tokens, but max_model_len is {self.max_model_len} "
-                             f"and at least one token must be generated: the prompt may have at most "
-                             f"{self.max_model_len - 1} tokens")
+            raise ValueError(f"the prompt has {num_prompt} tokens, but max_model_len is {self.max_model_len}"
+                             f"{self._capacity_note()} and at least one token must be generated: the "
+                             f"prompt may have at most {self.max_model_len - 1} tokens")
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - num_prompt
         elif num_prompt + max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
-                             f"{num_prompt + max_tokens} tokens exceeds max_model_len={self.max_model_len}")
+                             f"{num_prompt + max_tokens} tokens exceeds max_model_len={self.max_model_len}"
+                             f"{self._capacity_note()}")
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}: "
                              "the samples of one request must run together")
@@ -219,6 +220,11 @@ class LLMEngine:
         if max_tokens == 0:
             self._pending_outputs.append(self._make_output(parent))
             self._forget(request_id)
+
+    def _capacity_note(self) -> str:
+        capacity = self.num_blocks * self.args.block_size
+        return (f" (the KV cache holds {capacity} tokens: {self.num_blocks} blocks of "
+                f"{self.args.block_size})")
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
