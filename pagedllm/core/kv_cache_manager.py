@@ -1,13 +1,44 @@
-"""Per-request block lists on top of the block pool (vLLM v1 ``core/kv_cache_manager.py``)."""
+"""Per-request block tables on top of the block pool (vLLM v1 ``core/kv_cache_manager.py``),
+plus the paper's sharing mechanism that vLLM v1 dropped: forking a sequence and copy-on-write
+(Kwon et al. 2023, section 4.4).
+"""
 
 from __future__ import annotations
 
-from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from dataclasses import dataclass
+from typing import Optional
+
+from pagedllm.core.block_pool import BlockHash, BlockHashFn, BlockPool, BlockPoolStats, KVCacheBlock
 from pagedllm.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass
+class KVCacheStats(BlockPoolStats):
+    """The pool's block counts plus token-level figures (what ``LLM.get_kv_cache_stats`` returns).
+
+    Attributes:
+        block_size: tokens per block.
+        num_stored_tokens: token slots of in-use blocks whose K/V is written (a shared block
+            counts once).
+        num_empty_slots: slots of in-use blocks that hold nothing yet (internal fragmentation
+            plus slots reserved for the tokens being computed).
+        prefix_cache_queries: prompt tokens looked up in the prefix cache at admission.
+        prefix_cache_hits: of those, tokens whose K/V was found.
+    """
+
+    block_size: int = 0
+    num_stored_tokens: int = 0
+    num_empty_slots: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class KVCacheManager:
@@ -16,15 +47,38 @@ class KVCacheManager:
     Block ``i`` of a request holds the K/V of its tokens ``[i * block_size, (i + 1) * block_size)``.
     Tables grow one block at a time as tokens are scheduled; ``free`` returns them all at once.
 
+    Prefix caching: the key of a request's full block ``i`` is chained,
+    ``hash_fn((key of block i-1, token ids of block i, extra keys))``, with the request's
+    ``cache_salt`` as the first block's extra key, so two requests share block ``i`` only if
+    all tokens up to its end and their salts are equal. A block is cached by ``cache_blocks``
+    after the step that wrote its K/V, never before.
+
+    Sharing: ``fork`` gives a child the parent's table (ref count + 1 per block). Before a
+    sequence writes into a block that other sequences also hold, ``allocate_slots`` gives it
+    a private copy and queues ``(src, dst)`` for the model runner (``take_pending_copies``).
+
     Args:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
+        enable_caching: offer and reuse full blocks through the prefix cache.
+        hash_fn: maps ``(parent_value, token_ids, extra_keys)`` to an int; Python's ``hash``
+            by default. Hits are verified, so a weak function only costs hit rate.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 hash_fn: BlockHashFn = hash) -> None:
         self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_fn = hash_fn
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._requests: dict[str, Request] = {}
+        self._block_hashes: dict[str, list[BlockHash]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+        self.num_copies = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -38,31 +92,182 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for ``num_new_tokens`` tokens after ``request.num_computed_tokens``.
+    # ----------------------------------------------------------------------------- prefix cache
+    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """Keys of the request's first ``num_blocks`` full blocks (computed once, then kept)."""
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        block_size = self.block_size
+        token_ids = None
+        for index in range(len(hashes), num_blocks):
+            if token_ids is None:
+                token_ids = request.all_token_ids
+            block_tokens = tuple(token_ids[index * block_size:(index + 1) * block_size])
+            assert len(block_tokens) == block_size, "only full blocks have a key"
+            parent_value = hashes[-1].value if hashes else None
+            salt = request.cache_salt
+            extra_keys = (salt,) if index == 0 and salt is not None else ()
+            hashes.append(BlockHash(self.hash_fn((parent_value, block_tokens, extra_keys)),
+                                    block_tokens, extra_keys))
+        return hashes[:num_blocks]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of a request that has no blocks yet.
+
+        At most ``num_tokens - 1`` tokens are returned as hits so that the last token is
+        always computed: its logits are needed to sample (vLLM does the same).
 
         Returns:
-            True if the request's block table now covers
-            ``num_computed_tokens + num_new_tokens`` tokens; False (and nothing allocated)
-            if the pool has too few free blocks: the scheduler then decides whom to preempt.
+            ``(blocks, num_computed_tokens)``; nothing is referenced yet, pass both to
+            ``allocate_slots``.
         """
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        needed = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens) - len(blocks)
-        if needed <= 0:
-            return True
-        if needed > self.block_pool.num_free_blocks:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+        if not self.enable_caching:
+            return [], 0
+        if (request.sampling_params.prompt_logprobs is not None
+                and len(request.prompt_logprobs) < request.num_prompt_tokens):
+            # Prompt logprobs need the logits of every prompt position (vLLM skips the cache too).
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        parent_cache_id = None
+        for block_hash in self.block_hashes(request, max_blocks):
+            block = self.block_pool.get_cached_block(block_hash, parent_cache_id)
+            if block is None:
+                break
+            blocks.append(block)
+            parent_cache_id = block.cache_id
+        return blocks, len(blocks) * self.block_size
+
+    def cache_blocks(self, request: Request) -> None:
+        """Offer the request's full blocks whose K/V is written (call after the step that
+        advanced ``num_computed_tokens``). A block is cached only if its parent is."""
+        if not self.enable_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        table = self.req_to_blocks[request.request_id]
+        hashes = self.block_hashes(request, num_full)
+        for index in range(start, num_full):
+            block = table[index]
+            if block.cache_id is not None:
+                continue  # a hit, or shared with the sequence it was forked from
+            parent_cache_id = table[index - 1].cache_id if index else None
+            if index and parent_cache_id is None:
+                break  # the chain is broken (a collision or a reset): nothing after is offered
+            self.block_pool.cache_block(block, hashes[index], parent_cache_id)
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached blocks (including those of running requests, which keep their
+        KV but stop offering it). Never refuses; the query/hit counters are kept."""
+        self.block_pool.reset_prefix_cache()
+
+    # ----------------------------------------------------------------------------- tables
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: Optional[list[KVCacheBlock]] = None) -> bool:
+        """Make room for ``num_new_tokens`` tokens after the request's computed ones.
+
+        The computed ones are ``request.num_computed_tokens + num_new_computed_tokens``; the
+        latter are prefix-cache hits (``new_computed_blocks``, from ``get_computed_blocks``),
+        taken only at admission. Every block that the new tokens will be written into and
+        that another sequence also holds is replaced by a private copy (copy-on-write).
+
+        Returns:
+            True if the request's block table now covers all those tokens; False, with
+            nothing changed, if the pool has too few free blocks: the scheduler then decides
+            whom to preempt.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id, [])
+        assert not (blocks and new_computed_blocks), "cache hits are only taken at admission"
+        first_written = request.num_computed_tokens + num_new_computed_tokens
+        num_total = first_written + num_new_tokens
+        num_new_blocks = max(0, self.num_blocks_needed(num_total) - len(blocks) - len(new_computed_blocks))
+        shared = [index for index in range(first_written // self.block_size, len(blocks))
+                  if blocks[index].ref_count > 1]
+        num_revived = sum(1 for block in new_computed_blocks if block.ref_count == 0)
+        if num_new_blocks + len(shared) + num_revived > self.block_pool.num_free_blocks:
             return False
-        blocks.extend(self.block_pool.allocate(needed))
+
+        if request_id not in self.req_to_blocks:
+            self.req_to_blocks[request_id] = blocks
+            self._requests[request_id] = request
+            if self.enable_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_new_computed_tokens
+        # Hits first: reviving them takes them off the free queue before allocate() could
+        # evict them.
+        self.block_pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        if new_computed_blocks:
+            self._num_cached_blocks[request_id] = len(new_computed_blocks)
+        for index in shared:
+            (copy,) = self.block_pool.allocate(1)
+            self._pending_copies.append((blocks[index].block_id, copy.block_id))
+            self.num_copies += 1
+            self.block_pool.free([blocks[index]])
+            blocks[index] = copy
+        blocks.extend(self.block_pool.allocate(num_new_blocks))
         return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the parent's block table, sharing every block (ref count + 1).
+
+        The child must have no blocks and the same tokens as the parent up to
+        ``parent.num_computed_tokens``.
+        """
+        assert child.request_id not in self.req_to_blocks, child
+        blocks = list(self.req_to_blocks[parent.request_id])
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = blocks
+        self._requests[child.request_id] = child
+        num_shared_full = parent.num_computed_tokens // self.block_size
+        self._block_hashes[child.request_id] = self.block_hashes(parent, num_shared_full)
+        self._num_cached_blocks[child.request_id] = min(
+            self._num_cached_blocks.get(parent.request_id, 0), num_shared_full)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The ``(src_block_id, dst_block_id)`` copies the model runner must apply before the
+        next forward; the list is emptied."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
 
     def free(self, request: Request) -> None:
         """Release every block of ``request`` (finished, aborted or preempted)."""
-        blocks = self.req_to_blocks.pop(request.request_id, None)
-        if blocks:
-            # Reverse order: the tail of a sequence is the least likely to be shared later.
-            self.block_pool.free(list(reversed(blocks)))
+        request_id = request.request_id
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self._requests.pop(request_id, None)
+        self._block_hashes.pop(request_id, None)
+        self._num_cached_blocks.pop(request_id, None)
+        if not blocks:
+            return
+        if self._pending_copies:
+            # A private copy freed before the forward that fills it must not be filled later.
+            mine = {block.block_id for block in blocks}
+            self._pending_copies = [(src, dst) for src, dst in self._pending_copies if dst not in mine]
+        # Reverse order: the tail of a sequence is the least likely to be shared later, so
+        # it is the first to be evicted.
+        self.block_pool.free(list(reversed(blocks)))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    # ----------------------------------------------------------------------------- accounting
+    def get_stats(self) -> KVCacheStats:
+        """Blocks by state, written tokens vs empty slots, prefix-cache queries and hits."""
+        block_size = self.block_size
+        filled: dict[int, int] = {}
+        for request_id, blocks in self.req_to_blocks.items():
+            num_computed = self._requests[request_id].num_computed_tokens
+            for index, block in enumerate(blocks):
+                count = min(block_size, max(0, num_computed - index * block_size))
+                if count > filled.get(block.block_id, -1):
+                    filled[block.block_id] = count
+        pool = self.block_pool.get_stats()
+        stored = sum(filled.values())
+        return KVCacheStats(**vars(pool), block_size=block_size, num_stored_tokens=stored,
+                            num_empty_slots=pool.num_used_blocks * block_size - stored,
+                            prefix_cache_queries=self.prefix_cache_queries,
+                            prefix_cache_hits=self.prefix_cache_hits)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
+from pagedllm.outputs import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -40,11 +41,25 @@ class Request:
         max_tokens: resolved generation limit in tokens (never None here).
         generator: per-request ``torch.Generator`` when ``sampling_params.seed`` is set; it
             lives on the request so that a preempted request continues the same random stream.
+        logprobs: per generated token, its raw logprob record (see ``TokenLogprobs``).
+        prompt_logprobs: per prompt position, its record (``None`` at position 0); filled
+            only with ``sampling_params.prompt_logprobs``.
+        cumulative_logprob: sum of the raw logprobs of the generated tokens.
+        cache_salt: extra prefix-cache key; requests with different salts never share blocks.
+        num_cached_tokens: prompt tokens that were prefix-cache hits when the request was
+            first scheduled (-1 before that).
+        pending_forks: the other samples of an ``n > 1`` request; they are not scheduled
+            themselves but fork off this request's blocks once its prompt is computed, each
+            taking its first token from the same logits.
+
+    Penalties read ``prompt_token_ids`` (repetition) and ``output_token_ids`` (all three)
+    directly: the two lists stay apart across preemption, which only resets
+    ``num_computed_tokens``.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  max_tokens: int, eos_token_id: Optional[int], arrival_time: Optional[float] = None,
-                 seed_offset: int = 0) -> None:
+                 seed_offset: int = 0, cache_salt: Optional[str] = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -55,8 +70,16 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
-        self.stop_reason: Optional[int] = None
+        self.stop_reason: Union[int, str, None] = None
+        # Raw logprobs, collected by the engine from the model runner. They live here, beside
+        # the tokens, so that a preempted request neither loses nor recomputes them twice.
+        self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[Optional[TokenLogprobs]] = [None]
+        self.cumulative_logprob = 0.0
         self.generator: Optional[torch.Generator] = None
+        self.cache_salt = cache_salt
+        self.num_cached_tokens = -1
+        self.pending_forks: list[Request] = []
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed + seed_offset)
 

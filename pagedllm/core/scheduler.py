@@ -22,10 +22,13 @@ class SchedulerOutput:
         scheduled: ``(request, num_new_tokens)`` pairs; the request computes its tokens
             ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``.
         preempted: requests whose blocks were taken back during this schedule call.
+        blocks_to_copy: ``(src_block_id, dst_block_id)`` copy-on-write copies to apply
+            before the forward.
     """
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -44,7 +47,11 @@ class Scheduler:
     prompt longer than the budget is prefilled in chunks over several steps. When a running
     request needs a block and none is free, the most recently arrived running request is
     preempted: its blocks are freed and it goes back to the front of the waiting queue, to be
-    recomputed (prompt and generated tokens) when it is admitted again.
+    recomputed (prompt and generated tokens) when it is admitted again. Admission first takes
+    the longest cached prefix (``get_computed_blocks``) and only then derives the tokens left
+    to compute, so a resumed request skips what it or others left in the prefix cache. An
+    ``n > 1`` request is admitted as its first sample with seats reserved for the others,
+    which fork off its blocks once the prompt is computed.
 
     Args:
         kv_cache_manager: owner of the block tables.
@@ -121,20 +128,32 @@ class Scheduler:
                 index += 1
 
         # Nobody was preempted this step, so there is room to admit new work.
-        while (self.waiting and token_budget > 0 and not output.preempted
-               and len(self.running) < self.max_num_seqs):
+        num_seats_taken = len(self.running) + sum(len(r.pending_forks) for r in self.running)
+        while self.waiting and token_budget > 0 and not output.preempted:
             request = self.waiting[0]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            if not self.kv_cache_manager.allocate_slots(request, num_new_tokens):
+            num_seats = 1 + len(request.pending_forks)
+            if num_seats_taken + num_seats > self.max_num_seqs:
+                break
+            # A waiting request has no blocks (new, or preempted and freed): take the cached
+            # prefix first, then compute only what is left (B15).
+            computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_cached, token_budget)
+            if not self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_cached,
+                                                        computed_blocks):
                 break
             self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            num_seats_taken += num_seats
             output.scheduled.append((request, num_new_tokens))
             token_budget -= num_new_tokens
 
         # Keep the running list oldest-first so that the tail is always the preemption victim.
         self.running.sort(key=lambda r: r.arrival_time)
+        output.blocks_to_copy = self.kv_cache_manager.take_pending_copies()
         return output
 
     def _preempt(self, request: Request) -> None:
@@ -153,37 +172,63 @@ class Scheduler:
         Args:
             scheduler_output: what was scheduled.
             sampled_token_ids: request_id -> new token, for the requests whose scheduled
-                chunk reached their last token.
+                chunk reached their last token and for their ``pending_forks``.
 
         Returns:
             The requests that finished in this step (their blocks are already freed).
         """
-        finished = []
+        finished: list[Request] = []
         for request, num_new_tokens in scheduler_output.scheduled:
             if request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += num_new_tokens
+            # Its K/V is written now, so its full blocks may be offered to others.
+            self.kv_cache_manager.cache_blocks(request)
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is None:
+                if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                    # It ran only for its prompt logprobs (echo); nothing is generated.
+                    finished.extend(self.finish_requests([request.request_id],
+                                                         RequestStatus.FINISHED_LENGTH))
                 continue
-            request.output_token_ids.append(token_id)
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                request.status = status
-                self.running.remove(request)
-                del self.requests[request.request_id]
-                self.kv_cache_manager.free(request)
-                finished.append(request)
+            forks, request.pending_forks = request.pending_forks, []
+            for sibling in forks:
+                self._fork(request, sibling)
+            for sequence in [request, *forks]:
+                self._append_token(sequence, sampled_token_ids[sequence.request_id], finished)
         return finished
 
+    def _fork(self, parent: Request, child: Request) -> None:
+        """Start ``child`` (same prompt, not yet scheduled) on the parent's computed blocks."""
+        self.kv_cache_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
+
+    def _append_token(self, request: Request, token_id: int, finished: list[Request]) -> None:
+        request.output_token_ids.append(token_id)
+        status = self._check_stop(request, token_id)
+        if status is not None:
+            request.status = status
+            self.running.remove(request)
+            del self.requests[request.request_id]
+            self.kv_cache_manager.free(request)
+            finished.append(request)
+
     def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
+        """EOS (unless ``ignore_eos``) and ``stop_token_ids`` end a request only after
+        ``min_tokens`` other tokens (the sampler masks them before); then the length limits.
+        Stop strings are matched on the text, by the engine."""
         params = request.sampling_params
-        if not params.ignore_eos and token_id == request.eos_token_id:
-            request.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
+        if len(request.output_token_ids) > params.min_tokens:
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
         if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

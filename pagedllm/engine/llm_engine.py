@@ -16,12 +16,13 @@ import torch
 
 from pagedllm.config import (EngineArgs, kv_cache_bytes_per_block, machine_memory,
                              process_memory)
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache_manager import KVCacheManager, KVCacheStats, cdiv
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.models.loader import build_model, load_checkpoint, load_tokenizer, resolve_model_path
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -95,7 +96,8 @@ class LLMEngine:
                     f"than one request of max_model_len={self.max_model_len}: lower max_model_len or "
                     "raise kv_cache_memory_bytes / memory_utilization")
         self.num_blocks = num_blocks
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size,
+                                               enable_caching=engine_args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, engine_args.max_num_seqs,
                                    engine_args.max_num_batched_tokens, self.max_model_len)
         self.model_runner = ModelRunner(model, num_blocks, block_size, engine_args.seed)
@@ -105,8 +107,12 @@ class LLMEngine:
                     num_blocks * bytes_per_block / 2**20, capacity // self.max_model_len,
                     self.max_model_len)
         self.parents: dict[str, ParentRequest] = {}
+        self.output_processor = OutputProcessor(tokenizer)
         self._child_to_parent: dict[str, str] = {}
         self._pending_outputs: list[RequestOutput] = []
+        # What the latest step() scheduled; read by the server's metrics (iteration tokens,
+        # queue time) after the step.
+        self.last_scheduler_output: Optional[SchedulerOutput] = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -159,21 +165,36 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None) -> None:
+                    arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> None:
         """Queue a request.
+
+        The ``n`` samples of a request are prefilled once: the first one is scheduled, the
+        others fork off its prompt blocks when its prompt is computed (copy-on-write).
 
         Args:
             request_id: unique among unfinished requests.
             prompt: text, ``{"prompt_token_ids": [...]}`` (or ``{"prompt": text}``), or a list
-                of token ids.
+                of token ids. A dict may carry ``"cache_salt"`` (as in vLLM).
             params: sampling parameters (default ``SamplingParams()``).
+            cache_salt: prefix-cache isolation key: requests with different salts (or one
+                with and one without) never share KV blocks.
 
         Raises:
             ValueError: empty prompt, token ids out of the vocabulary, a prompt that cannot fit
                 ``max_model_len`` (or ``prompt + max_tokens`` beyond it), ``n`` above
-                ``max_num_seqs``, or a duplicate ``request_id``. Nothing is queued then.
+                ``max_num_seqs`` or needing more blocks than the pool, a non-string
+                ``cache_salt``, or a duplicate ``request_id``. Nothing is queued then.
         """
         params = params or SamplingParams()
+        params.verify_vocab(self.model_config.vocab_size)
+        params.tokenize_bad_words(self.tokenizer)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {params.stop!r} need a tokenizer; this engine has none "
+                             "(use stop_token_ids)")
+        if cache_salt is None and isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         prompt_text, prompt_token_ids = self._tokenize(prompt)
@@ -198,28 +219,35 @@ class LLMEngine:
         if params.n > self.args.max_num_seqs:
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}: "
                              "the samples of one request must run together")
-        needed = cdiv(num_prompt + max_tokens, self.args.block_size) * params.n
+        # The samples share the prompt's full blocks; each needs its own blocks for the rest.
+        per_sample = cdiv(num_prompt + max_tokens, self.args.block_size)
+        shared = num_prompt // self.args.block_size
+        needed = shared + (per_sample - shared) * params.n
         if needed > self.num_blocks:
-            raise ValueError(f"the request needs {needed} KV blocks (n={params.n} x {num_prompt + max_tokens} "
-                             f"tokens) but the KV cache has {self.num_blocks} blocks of "
-                             f"{self.args.block_size} tokens")
+            raise ValueError(f"the request needs {needed} KV blocks (n={params.n} samples of "
+                             f"{num_prompt + max_tokens} tokens sharing {shared} prompt blocks) but "
+                             f"the KV cache has {self.num_blocks} blocks of {self.args.block_size} tokens")
         parent = ParentRequest(request_id, prompt_text, prompt_token_ids)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             parent.children.append(Request(child_id, prompt_token_ids, params, max_tokens,
-                                           self.eos_token_id, arrival_time, seed_offset=index))
+                                           self.eos_token_id, arrival_time, seed_offset=index,
+                                           cache_salt=cache_salt))
         self.parents[request_id] = parent
         for child in parent.children:
             self._child_to_parent[child.request_id] = request_id
-        for child in parent.children:
-            if max_tokens == 0:
-                child.status = RequestStatus.FINISHED_LENGTH
-            else:
-                self.scheduler.add_request(child)
         if max_tokens == 0:
-            self._pending_outputs.append(self._make_output(parent))
-            self._forget(request_id)
+            # Nothing to generate: only prompt logprobs (echo) need the prompt computed.
+            for child in parent.children[1:] if params.prompt_logprobs is not None else parent.children:
+                child.status = RequestStatus.FINISHED_LENGTH
+        if not parent.children[0].is_finished():
+            first = parent.children[0]
+            if max_tokens > 0:
+                first.pending_forks = parent.children[1:]
+            self.scheduler.add_request(first)
+        else:
+            self._emit(parent)
 
     def _capacity_note(self) -> str:
         capacity = self.num_blocks * self.args.block_size
@@ -256,8 +284,18 @@ class LLMEngine:
             for child in parent.children:
                 if not child.is_finished():
                     child.status = RequestStatus.FINISHED_ABORTED
-            self._pending_outputs.append(self._make_output(parent))
-            self._forget(rid)
+            self._emit(parent)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache. Never refuses: blocks of running requests keep their KV
+        and owners but are no longer offered to new requests. Returns True."""
+        self.kv_cache_manager.reset_prefix_cache()
+        return True
+
+    def get_kv_cache_stats(self) -> KVCacheStats:
+        """Blocks total / in use / cached-free / free, shared blocks, stored tokens, empty
+        slots and prefix-cache queries and hits (tokens); see ``KVCacheStats``."""
+        return self.kv_cache_manager.get_stats()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents) or bool(self._pending_outputs)
@@ -270,48 +308,69 @@ class LLMEngine:
         """Run one scheduling + model step.
 
         Returns:
-            A ``RequestOutput`` (cumulative) for every request that got a token, finished or
-            was aborted since the last step.
+            A ``RequestOutput`` for every request that got a token, finished or was aborted
+            since the last step, shaped by its ``output_kind`` (``FINAL_ONLY`` requests appear
+            once, when finished; ``DELTA`` ones carry only what is new).
         """
         outputs, self._pending_outputs = self._pending_outputs, []
         scheduler_output = self.scheduler.schedule()
+        self.last_scheduler_output = scheduler_output
         if scheduler_output.is_empty:
             return outputs
         block_tables = {request.request_id: self.kv_cache_manager.get_block_ids(request.request_id)
                         for request, _ in scheduler_output.scheduled}
-        sampled = self.model_runner.execute_model(scheduler_output.scheduled, block_tables)
-        self.scheduler.update_from_output(scheduler_output, sampled)
+        # The samples of an n > 1 request fork (and get their first token) in this step.
+        requests = {}
+        for request, _ in scheduler_output.scheduled:
+            requests[request.request_id] = request
+            for fork in request.pending_forks:
+                requests[fork.request_id] = fork
+        runner_output = self.model_runner.execute_model(scheduler_output.scheduled, block_tables,
+                                                        scheduler_output.blocks_to_copy)
+        for request_id, records in runner_output.prompt_logprobs.items():
+            requests[request_id].prompt_logprobs.extend(records)
+        for request_id, record in runner_output.logprobs.items():
+            request = requests[request_id]
+            request.cumulative_logprob += record.logprobs[0]
+            if request.sampling_params.logprobs is not None:
+                request.logprobs.append(record)
+        sampled = runner_output.sampled_token_ids
+        finished = self.scheduler.update_from_output(scheduler_output, sampled)
+        for request_id, token_id in sampled.items():
+            request = requests[request_id]
+            stop = self.output_processor.process_tokens(request, [token_id])
+            if stop is not None:
+                request.stop_reason = stop
+                if request.is_finished():
+                    # The length limit and the stop string came with the same token.
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
         changed = {self._child_to_parent[request_id] for request_id in sampled}
+        changed.update(self._child_to_parent[request.request_id] for request in finished)
         for parent_id in [pid for pid in self.parents if pid in changed]:
-            output = self._make_output(self.parents[parent_id])
-            outputs.append(output)
-            if output.finished:
+            parent = self.parents[parent_id]
+            output = self._make_output(parent)
+            if output is not None:
+                outputs.append(output)
+            if all(child.is_finished() for child in parent.children):
                 self._forget(parent_id)
         return outputs
 
+    def _emit(self, parent: ParentRequest) -> None:
+        """Queue the final output of a request that ended outside ``step`` and forget it."""
+        output = self._make_output(parent)
+        if output is not None:
+            self._pending_outputs.append(output)
+        self._forget(parent.request_id)
+
     def _forget(self, parent_id: str) -> None:
-        for child in self.parents.pop(parent_id).children:
+        children = self.parents.pop(parent_id).children
+        for child in children:
             del self._child_to_parent[child.request_id]
+        self.output_processor.free([child.request_id for child in children])
 
-    def _make_output(self, parent: ParentRequest) -> RequestOutput:
-        completions = []
-        for index, child in enumerate(parent.children):
-            completions.append(CompletionOutput(
-                index=index,
-                text=self._decode(child.output_token_ids, child),
-                token_ids=list(child.output_token_ids),
-                finish_reason=child.finish_reason,
-                stop_reason=child.stop_reason,
-            ))
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=completions,
-            finished=all(c.is_finished() for c in parent.children),
-        )
-
-    def _decode(self, token_ids: list[int], request: Request) -> str:
-        if self.tokenizer is None or not token_ids:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def _make_output(self, parent: ParentRequest) -> Optional[RequestOutput]:
+        return self.output_processor.make_output(
+            parent.request_id, parent.prompt, parent.prompt_token_ids, parent.children,
+            num_cached_tokens=max(0, parent.children[0].num_cached_tokens))

@@ -6,6 +6,7 @@ Mechanism only: the scheduler has decided who runs and how many tokens each comp
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -14,9 +15,45 @@ import torch
 from pagedllm.core.request import Request
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.worker.sampler import SamplingBatch, sample
+from pagedllm.outputs import TokenLogprobs
+from pagedllm.worker.sampler import SamplingMetadata, compute_logprobs, gather_logprobs, sample
 
 logger = logging.getLogger(__name__)
+
+# Prompt rows whose ``[rows, vocab]`` logprobs are materialized at once (bounds the memory of
+# ``prompt_logprobs`` on long prompts: 256 x 49152 fp32 is 48 MiB).
+_PROMPT_LOGPROBS_CHUNK = 256
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced.
+
+    Attributes:
+        sampled_token_ids: request_id -> new token, for requests whose chunk reached their
+            last token (and max_tokens > 0).
+        logprobs: request_id -> the sampled token's raw logprob, rank and top-k alternatives
+            (k = the request's ``logprobs``, 0 when it did not ask: then only the logprob).
+        prompt_logprobs: request_id -> records for the prompt positions this chunk covered
+            that the request had not collected yet (position 0 never has one).
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class _ForwardResult:
+    """The forward of one step: ``hidden`` ``[num_tokens, hidden_size]`` for the flat
+    ``input_ids``, the rows to sample (``sample_rows[i]`` for ``sample_requests[i]``) and the
+    ``(request, first_row, num_rows)`` spans whose next-token logprobs are prompt logprobs."""
+
+    hidden: torch.Tensor
+    input_ids: list[int]
+    sample_rows: list[int]
+    sample_requests: list[Request]
+    prompt_logprob_rows: list[tuple[Request, int, int]]
 
 
 class ModelRunner:
@@ -45,17 +82,78 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduled: Sequence[tuple[Request, int]],
-                      block_tables: dict[str, list[int]]) -> dict[str, int]:
+                      block_tables: dict[str, list[int]],
+                      blocks_to_copy: Sequence[tuple[int, int]] = ()) -> ModelRunnerOutput:
         """Compute the scheduled tokens of every request and sample where a chunk ends a sequence.
 
         Args:
             scheduled: ``(request, num_new_tokens)``; the request computes tokens
                 ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``.
             block_tables: request_id -> physical block ids covering those tokens.
+            blocks_to_copy: copy-on-write ``(src, dst)`` block ids, applied before the forward.
 
         Returns:
-            request_id -> sampled token id, for requests whose chunk reaches ``num_tokens``.
+            The tokens sampled for requests whose chunk reaches ``num_tokens`` and for their
+            ``pending_forks`` (each draws from the same logits row), with their logprobs, and
+            the prompt logprobs of the chunks computed.
         """
+        forward = self._forward(scheduled, block_tables, blocks_to_copy)
+        output = ModelRunnerOutput()
+        for request, first_row, count in forward.prompt_logprob_rows:
+            output.prompt_logprobs[request.request_id] = self._prompt_logprobs(
+                forward.hidden[first_row:first_row + count],
+                forward.input_ids[first_row + 1:first_row + count + 1],
+                request.sampling_params.prompt_logprobs)
+        sample_requests = forward.sample_requests
+        if not sample_requests:
+            return output
+        logits = self.model.compute_logits(forward.hidden[forward.sample_rows])
+        sampled = sample(logits, SamplingMetadata.build(sample_requests, logits.shape[-1]), self.generator)
+        token_ids = sampled.sampled_token_ids.tolist()
+        token_logprobs = sampled.sampled_logprobs.tolist()
+        ranks = sampled.sampled_ranks.tolist() if sampled.sampled_ranks is not None else None
+        top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
+        top_logprobs = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        for row, request in enumerate(sample_requests):
+            output.sampled_token_ids[request.request_id] = token_ids[row]
+            k = request.sampling_params.logprobs
+            if k is None:
+                output.logprobs[request.request_id] = TokenLogprobs([token_ids[row]], [token_logprobs[row]], [])
+            else:
+                output.logprobs[request.request_id] = TokenLogprobs(
+                    [token_ids[row]] + top_ids[row][:k], [token_logprobs[row]] + top_logprobs[row][:k],
+                    [ranks[row]] + list(range(1, k + 1)))
+        return output
+
+    @torch.inference_mode()
+    def compute_logits(self, scheduled: Sequence[tuple[Request, int]],
+                       block_tables: dict[str, list[int]],
+                       blocks_to_copy: Sequence[tuple[int, int]] = ()
+                       ) -> tuple[list[Request], torch.Tensor]:
+        """Run the forward for the scheduled tokens (see ``execute_model``) without sampling.
+
+        Returns:
+            ``(requests, logits)``: the requests whose chunk reaches ``num_tokens`` (each
+            followed by its ``pending_forks``) and their next-token logits
+            ``[len(requests), vocab_size]`` fp32.
+        """
+        forward = self._forward(scheduled, block_tables, blocks_to_copy)
+        if not forward.sample_requests:
+            return [], torch.empty(0, self.vocab_size)
+        return forward.sample_requests, self.model.compute_logits(forward.hidden[forward.sample_rows])
+
+    def copy_blocks(self, blocks_to_copy: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: copy every layer's K and V of block ``src`` into block ``dst``."""
+        src = torch.tensor([s for s, _ in blocks_to_copy])
+        dst = torch.tensor([d for _, d in blocks_to_copy])
+        for key_cache, value_cache in self.kv_caches:
+            key_cache[dst] = key_cache[src]
+            value_cache[dst] = value_cache[src]
+
+    def _forward(self, scheduled: Sequence[tuple[Request, int]], block_tables: dict[str, list[int]],
+                 blocks_to_copy: Sequence[tuple[int, int]]) -> "_ForwardResult":
+        if blocks_to_copy:
+            self.copy_blocks(blocks_to_copy)
         # Single-token sequences first: they share one batched decode-attention call.
         decodes = [(r, n) for r, n in scheduled if n == 1]
         prefills = [(r, n) for r, n in scheduled if n > 1]
@@ -66,6 +164,7 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
+        prompt_logprob_rows: list[tuple[Request, int, int]] = []
         prefill_seqs: list[PrefillSequence] = []
         block_size = self.block_size
         for request, num_new in ordered:
@@ -79,9 +178,18 @@ class ModelRunner:
             if num_new > 1:
                 prefill_seqs.append(PrefillSequence(row, row + num_new, end,
                                                     torch.tensor(table[:-(-end // block_size)])))
-            if end == request.num_tokens:
-                sample_rows.append(row + num_new - 1)
-                sample_requests.append(request)
+            # A max_tokens=0 request runs only for its prompt logprobs (echo).
+            if end == request.num_tokens and request.max_tokens > 0:
+                for sampled_request in (request, *request.pending_forks):
+                    sample_rows.append(row + num_new - 1)
+                    sample_requests.append(sampled_request)
+            if request.sampling_params.prompt_logprobs is not None:
+                # Row i predicts token i + 1; skip prompt positions already collected before
+                # a preemption made the request compute its prompt again.
+                first = max(start + 1, len(request.prompt_logprobs))
+                last = min(end, request.num_prompt_tokens - 1)
+                if first <= last:
+                    prompt_logprob_rows.append((request, row + first - 1 - start, last - first + 1))
 
         metadata = AttentionMetadata(slot_mapping=torch.tensor(slots), prefills=prefill_seqs,
                                      num_decode_tokens=len(decodes))
@@ -93,13 +201,27 @@ class ModelRunner:
             metadata.decode_context_lens = torch.tensor(context_lens)
 
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata)
-        if not sample_requests:
-            return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
-        batch = SamplingBatch.build([r.sampling_params for r in sample_requests],
-                                    [r.generator for r in sample_requests], logits.shape[-1])
-        token_ids = sample(logits, batch, self.generator).tolist()
-        return {r.request_id: t for r, t in zip(sample_requests, token_ids)}
+        return _ForwardResult(hidden, input_ids, sample_rows, sample_requests, prompt_logprob_rows)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, next_token_ids: list[int],
+                         num_top: int) -> list[TokenLogprobs]:
+        """Raw logprobs of prompt tokens given what precedes them.
+
+        Args:
+            hidden: ``[rows, hidden_size]`` final hidden states of positions ``i``.
+            next_token_ids: the prompt tokens at positions ``i + 1`` (``rows`` of them).
+            num_top: alternatives per position.
+        """
+        records = []
+        for begin in range(0, len(next_token_ids), _PROMPT_LOGPROBS_CHUNK):
+            stop = begin + _PROMPT_LOGPROBS_CHUNK
+            logprobs = compute_logprobs(self.model.compute_logits(hidden[begin:stop]))
+            targets = torch.tensor(next_token_ids[begin:stop])
+            values, ranks, top_ids, top_values = gather_logprobs(logprobs, targets, num_top)
+            for token, value, rank, ids, tops in zip(targets.tolist(), values.tolist(), ranks.tolist(),
+                                                     top_ids.tolist(), top_values.tolist()):
+                records.append(TokenLogprobs([token] + ids, [value] + tops, [rank] + list(range(1, num_top + 1))))
+        return records
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -1,10 +1,20 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched token sampling and logprobs (vLLM v1 ``vllm/v1/sample/sampler.py``).
 
-All rows of a step are processed with tensor ops; the only per-row Python work is building the
-parameter tensors and drawing noise for rows that carry their own seeded generator.
-Sampling uses the exponential race (Gumbel-max equivalent, as vLLM's ``TopKTopPSampler``):
-``argmax(p / E)`` with ``E ~ Exp(1)`` draws from ``p``; a per-request ``torch.Generator``
-makes the draw reproducible and unaffected by other requests in the batch.
+One step's rows go through, as tensor ops over ``[rows, vocab]``:
+
+1. raw logprobs (``log_softmax`` of the model's logits) for ``logprobs`` and
+   ``cumulative_logprob``: vLLM's default ``logprobs_mode="raw_logprobs"``;
+2. token masks: ``allowed_token_ids``, ``bad_words``, EOS/stop tokens before ``min_tokens``;
+3. ``logit_bias``;
+4. repetition, frequency and presence penalties (``vllm/model_executor/layers/utils.py``
+   ``apply_penalties``);
+5. greedy rows take the argmax here; the others: temperature, min-p, top-k/top-p, then a
+   draw by the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``, equivalent to Gumbel-max,
+   as vLLM's ``TopKTopPSampler``). A row with a seed draws its noise from its own
+   ``torch.Generator``, so its samples do not depend on what else runs in the batch.
+
+The only per-row Python work is gathering each row's parameters and token lists into index
+tensors; nothing loops over the vocabulary.
 """
 
 from __future__ import annotations
@@ -14,52 +24,219 @@ from typing import Optional, Sequence
 
 import torch
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.request import Request
+
+# Floor of reported logprobs: a finite number JSON can carry (OpenAI's convention for -inf).
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
-class SamplingBatch:
-    """Per-row sampling parameters for one step, as tensors.
+class SamplingMetadata:
+    """Per-row sampling inputs of one step, as tensors.
 
     Attributes:
-        temperature: ``[rows]`` fp32; rows with ``greedy`` True are ignored.
-        top_k: ``[rows]`` int64; ``vocab_size`` means no cut.
-        top_p: ``[rows]`` fp32 in (0, 1].
+        temperature: ``[rows]`` fp32; 1.0 on greedy rows (ignored there).
         greedy: ``[rows]`` bool.
-        generators: a ``torch.Generator`` or None per row.
+        all_greedy: every row is greedy (skip the random path).
+        top_k: ``[rows]`` int64 in ``[1, vocab]`` or None when no row cuts.
+        top_p: ``[rows]`` fp32 in (0, 1] or None.
+        min_p: ``[rows]`` fp32 in [0, 1] or None.
+        generators: row -> the row's seeded ``torch.Generator`` (random rows only).
+        presence_penalties, frequency_penalties, repetition_penalties: ``[rows]`` fp32, or
+            None when no row has a penalty.
+        prompt_token_ids: ``[rows, max_prompt_len]`` int64, padded with ``vocab_size``
+            (only built with penalties).
+        output_token_ids: ``[rows, max_output_len]`` int64, padded with ``vocab_size``.
+        banned: ``(row_index, token_index)`` int64 pairs set to -inf (bad words, EOS and stop
+            tokens before ``min_tokens``), or None.
+        allowed: ``(row_index, token_index)`` of ``allowed_token_ids``, and the ``[rows]`` bool
+            of rows that restrict; or None.
+        logit_bias: ``(row_index, token_index, bias)``, or None.
+        max_num_logprobs: largest ``logprobs`` k of the rows, None when no row asks.
     """
 
     temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
     greedy: torch.Tensor
-    generators: list[Optional[torch.Generator]]
     all_greedy: bool
-    any_top_k: bool
-    any_top_p: bool
+    top_k: Optional[torch.Tensor] = None
+    top_p: Optional[torch.Tensor] = None
+    min_p: Optional[torch.Tensor] = None
+    generators: Optional[dict[int, torch.Generator]] = None
+    presence_penalties: Optional[torch.Tensor] = None
+    frequency_penalties: Optional[torch.Tensor] = None
+    repetition_penalties: Optional[torch.Tensor] = None
+    prompt_token_ids: Optional[torch.Tensor] = None
+    output_token_ids: Optional[torch.Tensor] = None
+    banned: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    allowed: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    logit_bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    max_num_logprobs: Optional[int] = None
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]],
-              vocab_size: int) -> "SamplingBatch":
+    def build(cls, requests: Sequence[Request], vocab_size: int) -> "SamplingMetadata":
+        """Gather the rows' parameters and token histories (one row per request, in order).
+
+        Repetition penalty counts prompt and generated tokens, presence/frequency only the
+        generated ones; both lists come from the request, which keeps them apart across
+        preemption and recompute.
+        """
+        params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        top_p = [p.top_p for p in params]
-        return cls(
+        meta = cls(
             temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
                                      dtype=torch.float32),
-            top_k=torch.tensor(top_k, dtype=torch.int64),
-            top_p=torch.tensor(top_p, dtype=torch.float32),
             greedy=torch.tensor(greedy, dtype=torch.bool),
-            generators=list(generators),
             all_greedy=all(greedy),
-            any_top_k=any(k < vocab_size for k in top_k),
-            any_top_p=any(p < 1.0 for p in top_p),
         )
+        if not meta.all_greedy:
+            top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+            if any(k < vocab_size for k in top_k):
+                meta.top_k = torch.tensor(top_k, dtype=torch.int64)
+            if any(p.top_p < 1.0 for p in params):
+                meta.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+            if any(p.min_p > 0.0 for p in params):
+                meta.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+            meta.generators = {row: r.generator for row, r in enumerate(requests)
+                               if r.generator is not None and not greedy[row]}
+        if any(p.needs_penalties for p in params):
+            meta.presence_penalties = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+            meta.frequency_penalties = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+            meta.repetition_penalties = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+            meta.prompt_token_ids = _pad([r.prompt_token_ids if p.needs_penalties else []
+                                          for r, p in zip(requests, params)], vocab_size)
+            meta.output_token_ids = _pad([r.output_token_ids if p.needs_penalties else []
+                                          for r, p in zip(requests, params)], vocab_size)
+
+        banned_rows: list[int] = []
+        banned_tokens: list[int] = []
+        allowed_rows: list[int] = []
+        allowed_tokens: list[int] = []
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        bias_values: list[float] = []
+        for row, (request, p) in enumerate(zip(requests, params)):
+            banned = []
+            if len(request.output_token_ids) < p.min_tokens:
+                banned.extend(p.stop_token_ids)
+                if not p.ignore_eos and request.eos_token_id is not None:
+                    banned.append(request.eos_token_id)
+            for word in p._bad_words_token_ids:
+                prefix = word[:-1]
+                if not prefix or request.output_token_ids[-len(prefix):] == prefix:
+                    banned.append(word[-1])
+            banned_rows.extend([row] * len(banned))
+            banned_tokens.extend(banned)
+            if p.allowed_token_ids:
+                allowed_rows.extend([row] * len(p.allowed_token_ids))
+                allowed_tokens.extend(p.allowed_token_ids)
+            if p.logit_bias:
+                bias_rows.extend([row] * len(p.logit_bias))
+                bias_tokens.extend(p.logit_bias)
+                bias_values.extend(p.logit_bias.values())
+        if banned_rows:
+            meta.banned = (torch.tensor(banned_rows), torch.tensor(banned_tokens))
+        if allowed_rows:
+            restricts = torch.zeros(len(requests), dtype=torch.bool)
+            restricts[allowed_rows] = True
+            meta.allowed = (torch.tensor(allowed_rows), torch.tensor(allowed_tokens), restricts)
+        if bias_rows:
+            meta.logit_bias = (torch.tensor(bias_rows), torch.tensor(bias_tokens),
+                               torch.tensor(bias_values, dtype=torch.float32))
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        meta.max_num_logprobs = max(wanted) if wanted else None
+        return meta
+
+
+@dataclass
+class SamplerOutput:
+    """The step's picks.
+
+    Attributes:
+        sampled_token_ids: ``[rows]`` int64.
+        sampled_logprobs: ``[rows]`` fp32 raw logprob of each sampled token (for
+            ``cumulative_logprob``), floored at ``LOGPROB_FLOOR``.
+        sampled_ranks: ``[rows]`` int64 rank of the sampled token in the raw distribution
+            (1 = most likely), or None when no row asked for logprobs.
+        top_token_ids: ``[rows, max_num_logprobs]`` int64, most likely first, or None.
+        top_logprobs: ``[rows, max_num_logprobs]`` fp32 raw logprobs of those, or None.
+    """
+
+    sampled_token_ids: torch.Tensor
+    sampled_logprobs: torch.Tensor
+    sampled_ranks: Optional[torch.Tensor] = None
+    top_token_ids: Optional[torch.Tensor] = None
+    top_logprobs: Optional[torch.Tensor] = None
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """``[rows, vocab]`` logits -> ``[rows, vocab]`` fp32 log-softmax, floored at
+    ``LOGPROB_FLOOR`` so that no -inf or NaN reaches JSON."""
+    return torch.nan_to_num(logits.float().log_softmax(dim=-1), nan=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                    num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's logprob and rank of ``token_ids``, and its ``num_top`` best tokens.
+
+    Args:
+        logprobs: ``[rows, vocab]`` fp32 (from ``compute_logprobs``).
+        token_ids: ``[rows]`` int64, the token whose value is reported.
+        num_top: k of the top-k (0 allowed).
+
+    Returns:
+        ``(token_logprobs [rows] fp32, ranks [rows] int64, top_ids [rows, k] int64,
+        top_logprobs [rows, k] fp32)``; rank = 1 + number of tokens strictly more likely, as
+        vLLM's ``batched_count_greater_than``.
+    """
+    token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > token_logprobs.unsqueeze(1)).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    return token_logprobs, ranks, top_ids, top_logprobs
+
+
+def apply_penalties(logits: torch.Tensor, prompt_token_ids: torch.Tensor, output_token_ids: torch.Tensor,
+                    presence_penalties: torch.Tensor, frequency_penalties: torch.Tensor,
+                    repetition_penalties: torch.Tensor) -> torch.Tensor:
+    """Apply repetition, frequency and presence penalties in place (vLLM ``apply_penalties``).
+
+    Args:
+        logits: ``[rows, vocab]`` fp32, modified in place.
+        prompt_token_ids, output_token_ids: ``[rows, len]`` int64 padded with ``vocab``.
+        presence_penalties, frequency_penalties, repetition_penalties: ``[rows]`` fp32.
+
+    Returns:
+        ``logits``. A token seen in the prompt or the output has its logit divided by the
+        repetition penalty when positive, multiplied when not (CTRL, Keskar et al. 2019); then
+        ``frequency * count_in_output + presence * (count_in_output > 0)`` is subtracted.
+    """
+    rows, vocab = logits.shape
+    output_counts = _bin_counts(output_token_ids, rows, vocab)
+    output_mask = output_counts > 0
+    seen = _bin_counts(prompt_token_ids, rows, vocab) > 0
+    seen |= output_mask
+    penalty = torch.where(seen, repetition_penalties.unsqueeze(1), 1.0)
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits -= frequency_penalties.unsqueeze(1) * output_counts
+    logits -= presence_penalties.unsqueeze(1) * output_mask
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` times the row's top probability
+    (Nguyen et al. 2024, "Min P Sampling"; vLLM ``MinPLogitsProcessor``).
+
+    Args: ``logits`` ``[rows, vocab]`` fp32 (temperature applied), ``min_p`` ``[rows]`` fp32.
+    Returns: a new tensor; the top token always survives.
+    """
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
                       top_p: Optional[torch.Tensor]) -> torch.Tensor:
-    """Mask (to -inf) the logits outside each row's top-k set and top-p nucleus.
+    """Mask (to -inf) the logits outside each row's top-k set and top-p nucleus
+    (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration", s3.1).
 
     Args:
         logits: ``[rows, vocab]`` fp32 (temperature already applied).
@@ -86,30 +263,77 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch,
-           generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Pick one token per row.
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Masks, logit bias and penalties (steps 2-4 of the module docstring); a new tensor.
+
+    A row whose every token got masked (for instance ``allowed_token_ids`` holding only the
+    EOS before ``min_tokens``) keeps its unmasked logits rather than turning into NaN.
+    """
+    processed = logits.clone()
+    if meta.allowed is not None:
+        rows, tokens, restricts = meta.allowed
+        keep = ~restricts.unsqueeze(1).expand_as(processed).clone()
+        keep[rows, tokens] = True
+        processed.masked_fill_(~keep, float("-inf"))
+    if meta.banned is not None:
+        processed[meta.banned] = float("-inf")
+    if meta.logit_bias is not None:
+        rows, tokens, bias = meta.logit_bias
+        processed.index_put_((rows, tokens), bias, accumulate=True)
+    if meta.repetition_penalties is not None:
+        processed = apply_penalties(processed, meta.prompt_token_ids, meta.output_token_ids,
+                                    meta.presence_penalties, meta.frequency_penalties,
+                                    meta.repetition_penalties)
+    if meta.allowed is not None or meta.banned is not None:
+        dead = torch.isneginf(processed).all(dim=-1)
+        if dead.any():
+            processed[dead] = logits[dead]
+    return processed
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata,
+           generator: Optional[torch.Generator] = None) -> SamplerOutput:
+    """Pick one token per row and report its raw logprob (and top-k when asked).
 
     Args:
-        logits: ``[rows, vocab]`` fp32.
-        batch: the rows' parameters.
-        generator: the engine's global generator, for rows without their own seed.
+        logits: ``[rows, vocab]`` model logits (any float dtype; computed in fp32).
+        meta: the rows' parameters.
+        generator: the engine's global generator, for random rows without their own seed.
 
     Returns:
-        ``[rows]`` int64 token ids.
+        A ``SamplerOutput``.
     """
-    greedy_ids = logits.argmax(dim=-1)
-    if batch.all_greedy:
-        return greedy_ids
-    logits = logits / batch.temperature.unsqueeze(1)
-    if batch.any_top_k or batch.any_top_p:
-        logits = apply_top_k_top_p(logits, batch.top_k if batch.any_top_k else None,
-                                   batch.top_p if batch.any_top_p else None)
-    probs = logits.softmax(dim=-1)
-    noise = torch.empty_like(probs)
-    noise.exponential_(generator=generator)
-    for row, row_generator in enumerate(batch.generators):
-        if row_generator is not None:
+    logits = logits.float()
+    raw_logprobs = compute_logprobs(logits)
+    processed = process_logits(logits, meta)
+    token_ids = processed.argmax(dim=-1)
+    if not meta.all_greedy:
+        scaled = processed / meta.temperature.unsqueeze(1)
+        if meta.min_p is not None:
+            scaled = apply_min_p(scaled, meta.min_p)
+        if meta.top_k is not None or meta.top_p is not None:
+            scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=generator)
+        for row, row_generator in (meta.generators or {}).items():
             noise[row].exponential_(generator=row_generator)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(batch.greedy, greedy_ids, sampled)
+        sampled = (probs / noise).argmax(dim=-1)
+        token_ids = torch.where(meta.greedy, token_ids, sampled)
+    if meta.max_num_logprobs is None:
+        return SamplerOutput(token_ids, raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1))
+    token_logprobs, ranks, top_ids, top_logprobs = gather_logprobs(raw_logprobs, token_ids,
+                                                                   meta.max_num_logprobs)
+    return SamplerOutput(token_ids, token_logprobs, ranks, top_ids, top_logprobs)
+
+
+def _bin_counts(token_ids: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
+    """``[rows, len]`` ids padded with ``vocab`` -> ``[rows, vocab]`` int64 occurrence counts."""
+    counts = torch.zeros((rows, vocab + 1), dtype=torch.int64)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids))
+    return counts[:, :vocab]
+
+
+def _pad(lists: list[list[int]], pad: int) -> torch.Tensor:
+    width = max((len(x) for x in lists), default=0)
+    return torch.tensor([x + [pad] * (width - len(x)) for x in lists], dtype=torch.int64).reshape(len(lists), width)

@@ -1,0 +1,151 @@
+"""From requests' tokens to ``RequestOutput``s (vLLM v1 ``vllm/v1/engine/output_processor.py``).
+
+Keeps, per sequence, an ``IncrementalDetokenizer`` (text and stop strings) and what was already
+reported, so that ``DELTA`` outputs carry only what is new and ``FINAL_ONLY`` requests report
+once. Logprob records of the model runner become ``{token_id: Logprob}`` dicts here, once each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestOutput,
+                              SampleLogprobs, TokenLogprobs)
+from pagedllm.sampling_params import RequestOutputKind
+
+
+@dataclass
+class _SequenceState:
+    detokenizer: Optional[IncrementalDetokenizer]
+    logprobs: SampleLogprobs = field(default_factory=list)
+    num_sent_tokens: int = 0
+    sent_finished: bool = False
+    prompt_logprobs: Optional[PromptLogprobs] = None
+    sent_prompt_logprobs: bool = False
+
+
+class OutputProcessor:
+    """Builds the outputs of the engine's requests.
+
+    Args:
+        tokenizer: the engine's tokenizer, or None (then texts are empty and logprobs carry no
+            ``decoded_token``).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _SequenceState] = {}
+
+    def _state(self, request: Request) -> _SequenceState:
+        state = self._states.get(request.request_id)
+        if state is None:
+            detokenizer = None
+            if self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                     request.sampling_params)
+            state = self._states[request.request_id] = _SequenceState(detokenizer)
+        return state
+
+    def process_tokens(self, request: Request, new_token_ids: Sequence[int]) -> Optional[str]:
+        """Decode the tokens the request just got (already appended to it).
+
+        Returns:
+            The stop string now in the text, or None. The caller ends the request then; the
+            text is already cut at the match.
+        """
+        detokenizer = self._state(request).detokenizer
+        if detokenizer is None:
+            return None
+        stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
+        stop = detokenizer.update(new_token_ids, stop_terminated)
+        if stop is None and request.is_finished():
+            detokenizer.flush()
+        return stop
+
+    def make_output(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                    children: Sequence[Request], num_cached_tokens: int = 0) -> Optional[RequestOutput]:
+        """The ``RequestOutput`` of a request with samples ``children``, as its output kind asks.
+
+        ``CUMULATIVE``: every sample, everything so far. ``DELTA``: only the samples with new
+        tokens or that just finished, each with what is new. ``FINAL_ONLY``: None until every
+        sample finished. Also None when a ``DELTA`` request has nothing new to say.
+        """
+        params = children[0].sampling_params
+        finished = all(child.is_finished() for child in children)
+        if params.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = params.output_kind is RequestOutputKind.DELTA
+        completions = []
+        for index, child in enumerate(children):
+            state = self._state(child)
+            num_tokens = len(child.output_token_ids)
+            newly_finished = child.is_finished() and not state.sent_finished
+            if delta and num_tokens == state.num_sent_tokens and not newly_finished:
+                continue
+            if params.logprobs is not None:
+                state.logprobs.extend(self._to_dicts(child.logprobs[len(state.logprobs):]))
+            start = state.num_sent_tokens if delta else 0
+            text = ""
+            if state.detokenizer is not None:
+                text = state.detokenizer.get_next_output_text(child.is_finished(), delta)
+            completions.append(CompletionOutput(
+                index=index,
+                text=text,
+                token_ids=child.output_token_ids[start:],
+                finish_reason=child.finish_reason,
+                stop_reason=child.stop_reason,
+                cumulative_logprob=child.cumulative_logprob if num_tokens else None,
+                logprobs=state.logprobs[start:] if params.logprobs is not None else None,
+            ))
+            state.num_sent_tokens = num_tokens
+            state.sent_finished = child.is_finished()
+        if not completions:
+            return None
+        return RequestOutput(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=num_cached_tokens,
+            prompt_logprobs=self._prompt_logprobs(children[0], delta),
+        )
+
+    def _prompt_logprobs(self, first: Request, delta: bool) -> Optional[PromptLogprobs]:
+        """The prompt logprobs, once all were computed (in ``DELTA`` mode only the first time).
+        The first sample computes the prompt; the others fork off it."""
+        if first.sampling_params.prompt_logprobs is None or len(first.prompt_logprobs) < first.num_prompt_tokens:
+            return None
+        state = self._state(first)
+        if delta and state.sent_prompt_logprobs:
+            return None
+        if state.prompt_logprobs is None:
+            state.prompt_logprobs = [None] + self._to_dicts(first.prompt_logprobs[1:])
+        state.sent_prompt_logprobs = True
+        return list(state.prompt_logprobs)
+
+    def _to_dicts(self, records: Sequence[TokenLogprobs]) -> list[dict[int, Logprob]]:
+        """``{token_id: Logprob}`` per record: the position's own token first, then the top-k
+        (a token among both keeps one entry: exactly k alternatives, plus the own token when it
+        is not among them, as in vLLM)."""
+        dicts = []
+        for record in records:
+            texts: list[Optional[str]] = [None] * len(record.token_ids)
+            if self.tokenizer is not None:
+                tokens = self.tokenizer.convert_ids_to_tokens(record.token_ids)
+                texts = [self.tokenizer.convert_tokens_to_string([t]) for t in tokens]
+            ranks = record.ranks or [None] * len(record.token_ids)
+            entry: dict[int, Logprob] = {}
+            for token_id, logprob, rank, text in zip(record.token_ids, record.logprobs, ranks, texts):
+                if token_id not in entry:
+                    entry[token_id] = Logprob(logprob, rank, text)
+            dicts.append(entry)
+        return dicts
+
+    def free(self, request_ids: Sequence[str]) -> None:
+        """Forget the state of finished sequences."""
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
