@@ -1,0 +1,382 @@
+"""``AsyncLLMEngine``: the synchronous engine driven from its own thread, for asyncio servers.
+
+The role of vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``), without a second process:
+
+    event loop thread                              engine thread
+    -----------------                              -------------
+    add_request() --- _Add command ------------->  engine.add_request()  (ValueError, queue full)
+          <------------ acknowledgement ----------
+    RequestStream  <-- call_soon_threadsafe -----  engine.step() -> RequestOutputs, metrics
+    close()/abort() -- _Abort command ----------->  engine.abort_request() (blocks freed at once)
+
+Only the engine thread touches the ``LLMEngine``, so it needs no lock; the event loop only ever
+waits on asyncio primitives and stays free to accept connections, stream and answer /health
+while the model computes. A stream keeps only the newest output (outputs are cumulative), so a
+slow reader costs no memory.
+
+Failure modes:
+- a bad request (``ValueError`` from the engine, or any other exception while adding it) fails
+  only that request;
+- an exception from ``engine.step()`` kills the loop: every open stream gets
+  ``EngineDeadError``, later requests fail at once with it, and ``is_healthy`` turns False;
+- ``request_timeout`` aborts a request that has run that long (``RequestTimeoutError``);
+- ``drain()`` waits for open requests, then aborts the rest (``EngineDrainingError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.metrics import EngineMetrics
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died; no request can run until the server restarts."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_waiting_requests`` sequences already (load shedding)."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran longer than ``request_timeout`` and was aborted."""
+
+
+class EngineDrainingError(RuntimeError):
+    """The server is shutting down: the request was refused, or aborted when the drain ended."""
+
+
+class RequestStream:
+    """The outputs of one request, consumed with ``async for`` on the event loop.
+
+    Each item is the request's cumulative ``RequestOutput``; items the reader did not take in
+    time are replaced by newer ones, never reordered, and the final output (``finished``) or
+    an error always arrives. Iteration raises the error (``EngineDeadError``,
+    ``RequestTimeoutError``, ``EngineDrainingError``) instead of yielding it.
+    """
+
+    def __init__(self, request_id: str, engine: "AsyncLLMEngine") -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._event = asyncio.Event()
+        self._item: Union[RequestOutput, BaseException, None] = None
+        self._terminal = False  # the last item has been put (or the reader gave up)
+        self._done = False  # the reader has taken the last item
+
+    def put(self, item: Union[RequestOutput, BaseException]) -> None:
+        """Deliver an item (event loop thread only). Items after the last one are dropped."""
+        if self._terminal:
+            return
+        self._item = item
+        self._terminal = isinstance(item, BaseException) or item.finished
+        if self._terminal:
+            self._engine._active.pop(self.request_id, None)
+        self._event.set()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        await self._event.wait()
+        self._event.clear()
+        item, self._item = self._item, None
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def close(self) -> None:
+        """Stop reading: abort the request unless it already ended. Idempotent; call it in a
+        ``finally`` so that a client disconnect frees the request's blocks at once."""
+        if not self._terminal:
+            self._terminal = True
+            self._engine._active.pop(self.request_id, None)
+            self._engine.abort(self.request_id)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    arrival_time: float
+    cache_salt: Optional[str]
+    stream: RequestStream
+    ack: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    error: Optional[BaseException]
+
+
+@dataclass
+class _Entry:
+    """The engine thread's view of an open request."""
+
+    stream: RequestStream
+    loop: asyncio.AbstractEventLoop
+    deadline: Optional[float]
+
+
+_STOP = object()
+
+
+class AsyncLLMEngine:
+    """Runs an ``LLMEngine`` in a background thread and serves its requests to asyncio code.
+
+    Args:
+        engine: the engine; from ``start()`` on, only the engine thread may touch it.
+        metrics: Prometheus metrics to update after every step (None: no metrics).
+        max_waiting_requests: refuse a request (``QueueFullError``) when this many sequences
+            are waiting already (None: no limit). Counted when the engine thread adds the
+            request, so a burst is counted exactly; a request is always accepted when nothing
+            waits, so that an ``n`` above the limit is not refused forever.
+        request_timeout: seconds after arrival at which a request is aborted with
+            ``RequestTimeoutError`` (None: never).
+
+    Raises:
+        ValueError: ``max_waiting_requests`` < 1 or ``request_timeout`` <= 0.
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: Optional[EngineMetrics] = None,
+                 max_waiting_requests: Optional[int] = None,
+                 request_timeout: Optional[float] = None) -> None:
+        if max_waiting_requests is not None and (isinstance(max_waiting_requests, bool) or
+                                                 not isinstance(max_waiting_requests, int) or
+                                                 max_waiting_requests < 1):
+            raise ValueError(f"max_waiting_requests must be an integer >= 1, got {max_waiting_requests!r}")
+        if request_timeout is not None and not request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout!r}")
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting_requests = max_waiting_requests
+        self.request_timeout = request_timeout
+        self.dead_error: Optional[BaseException] = None
+        self.draining = False
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._entries: dict[str, _Entry] = {}  # engine thread only
+        self._active: dict[str, RequestStream] = {}  # event loop thread only
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+
+    # ----------------------------------------------------------------------------- event loop side
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while the engine loop runs (False once it died or was shut down)."""
+        return self.dead_error is None and self._thread.is_alive()
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._active)
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          cache_salt: Optional[str] = None) -> RequestStream:
+        """Queue a request and return its stream once the engine accepted it.
+
+        Raises:
+            ValueError: a duplicate in-flight ``request_id`` or anything ``LLMEngine.add_request``
+                refuses (nothing is queued then).
+            QueueFullError: too many sequences waiting.
+            EngineDrainingError: the server is shutting down.
+            EngineDeadError: the engine loop died.
+        """
+        if self.dead_error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine loop is not running ({self.dead_error!r})")
+        if self.draining:
+            raise EngineDrainingError("the server is shutting down and takes no new requests")
+        if request_id in self._active:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, self)
+        ack = loop.create_future()
+        self._active[request_id] = stream
+        self._commands.put(_Add(request_id, prompt, params, time.monotonic(), cache_salt, stream, ack, loop))
+        try:
+            await ack
+        except asyncio.CancelledError:
+            stream.close()  # the add may already have happened: abort it
+            raise
+        except BaseException:
+            self._active.pop(request_id, None)
+            raise
+        return stream
+
+    def abort(self, request_id: str, error: Optional[BaseException] = None) -> None:
+        """Abort a request (thread-safe). Its blocks are freed when the engine thread takes
+        the command, within one step. With ``error``, its stream ends with that error."""
+        self._commands.put(_Abort(request_id, error))
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new requests, let open ones finish for up to ``timeout`` seconds, then abort
+        the rest (their streams raise ``EngineDrainingError``).
+
+        Returns:
+            How many requests were aborted.
+        """
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._active and loop.time() < deadline and self.is_healthy:
+            await asyncio.sleep(0.05)
+        remaining = list(self._active)
+        for request_id in remaining:
+            self.abort(request_id, EngineDrainingError(
+                f"the server shut down: request aborted after the {timeout:g} s drain timeout"))
+        while self._active and self.is_healthy:
+            await asyncio.sleep(0.01)
+        return len(remaining)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (unfinished requests are aborted first)."""
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+
+    # ----------------------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                idle = not engine.has_unfinished_requests()
+                if not self._handle_commands(block=idle):
+                    break
+                self._expire(time.monotonic())
+                if engine.has_unfinished_requests():
+                    step_start = time.monotonic()
+                    outputs = engine.step()
+                    if self.metrics is not None:
+                        self.metrics.record_step(engine, outputs, step_start, time.monotonic())
+                    self._dispatch(outputs)
+                elif self.metrics is not None:
+                    self.metrics.update_gauges(engine)
+                if self.metrics is not None:
+                    self.metrics.log_if_due(engine, time.monotonic())
+        except BaseException as exc:  # noqa: BLE001 - anything here kills the loop; say so
+            logger.exception("the engine loop died")
+            self._die(exc)
+            return
+        engine.abort_request(list(self._entries))
+        while engine.has_unfinished_requests():
+            self._dispatch(engine.step())
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Take every queued command (waiting for one when ``block``). False on stop."""
+        try:
+            timeout = self.metrics.log_interval if self.metrics is not None else None
+            command = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command is _STOP:
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self._abort(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, command: _Add) -> None:
+        engine = self.engine
+        error: Optional[BaseException] = None
+        waiting = engine.scheduler.num_waiting
+        if self.max_waiting_requests is not None and waiting and waiting + command.params.n > self.max_waiting_requests:
+            error = QueueFullError(f"{waiting} sequences are waiting and max_waiting_requests is "
+                                   f"{self.max_waiting_requests}: retry later")
+        else:
+            try:
+                engine.add_request(command.request_id, command.prompt, command.params,
+                                   arrival_time=command.arrival_time, cache_salt=command.cache_salt)
+            except ValueError as exc:
+                error = exc
+            except Exception as exc:  # noqa: BLE001 - a request must never kill the loop
+                logger.exception("adding request %s failed", command.request_id)
+                error = ValueError(f"the request could not be added: {exc!r}")
+        if error is None:
+            deadline = None if self.request_timeout is None else command.arrival_time + self.request_timeout
+            self._entries[command.request_id] = _Entry(command.stream, command.loop, deadline)
+            if self.metrics is not None:
+                self.metrics.request_added(command.request_id, command.arrival_time)
+        _call_soon(command.loop, _resolve, command.ack, error)
+
+    def _abort(self, command: _Abort) -> None:
+        self.engine.abort_request(command.request_id)
+        if command.error is not None:
+            entry = self._entries.pop(command.request_id, None)
+            if entry is not None:
+                _call_soon(entry.loop, entry.stream.put, command.error)
+
+    def _expire(self, now: float) -> None:
+        expired = [rid for rid, entry in self._entries.items()
+                   if entry.deadline is not None and now >= entry.deadline]
+        for request_id in expired:
+            self._abort(_Abort(request_id, RequestTimeoutError(
+                f"the request ran longer than the server's request timeout of {self.request_timeout:g} s "
+                "and was aborted")))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            entry = self._entries.get(output.request_id)
+            if entry is None:
+                continue
+            if output.finished:
+                del self._entries[output.request_id]
+            _call_soon(entry.loop, entry.stream.put, output)
+
+    def _die(self, exc: BaseException) -> None:
+        self.dead_error = exc
+        if self.metrics is not None:
+            self.metrics.engine_died()
+        error = EngineDeadError(f"the engine loop died: {exc!r}")
+        for entry in self._entries.values():
+            _call_soon(entry.loop, entry.stream.put, error)
+        self._entries.clear()
+        # Commands already queued (or racing with dead_error) are answered, never left hanging.
+        while True:
+            command = self._commands.get()
+            if command is _STOP:
+                return
+            if isinstance(command, _Add):
+                _call_soon(command.loop, _resolve, command.ack, error)
+
+
+def _resolve(future: asyncio.Future, error: Optional[BaseException]) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass

@@ -1,0 +1,233 @@
+"""The OpenAI-compatible HTTP server: routes, API key, errors, SIGTERM drain (``pagedllm serve``).
+
+Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
+``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``. With an API key, every ``/v1``
+path and ``/tokenize``/``/detokenize`` need ``Authorization: Bearer <key>`` (as vLLM);
+``/health``, ``/version`` and ``/metrics`` stay open for probes and scrapers.
+
+Shutdown (SIGTERM or SIGINT): the server keeps listening but answers new requests and
+``/health`` with 503, lets open requests run for up to ``--drain-timeout`` seconds, ends the
+rest with a terminal error (an SSE error event, or a 503 JSON body), then exits with status 0.
+A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import pagedllm
+from pagedllm.config import EngineArgs
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  DetokenizeRequest, TokenizeRequest)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, to_openai_error
+from pagedllm.metrics import EngineMetrics
+from pagedllm.models.loader import DEFAULT_MODEL_FILE
+
+logger = logging.getLogger(__name__)
+
+_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+
+
+class _APIKeyMiddleware:
+    """Plain ASGI (not ``BaseHTTPMiddleware``, which would hide client disconnects)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                error = OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                    "AuthenticationError")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key: Optional[str] = None,
+              model_root: Optional[str] = None) -> FastAPI:
+    """The FastAPI application over a started ``AsyncLLMEngine``.
+
+    Args:
+        engine: the engine (its ``metrics``, if any, are served at /metrics).
+        served_model_names: names clients may put in ``model``; the first is reported.
+        api_key: required bearer token for the API paths (None: open).
+        model_root: what /v1/models reports as ``root`` (default: the first name).
+
+    Raises:
+        ValueError: no served model name.
+    """
+    if not served_model_names:
+        raise ValueError("served_model_names must hold at least one name")
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    completions = OpenAIServingCompletion(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names)
+    created = int(time.time())
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        error = exc.errors()[0]
+        location = [str(part) for part in error.get("loc", ()) if part != "body"]
+        param = ".".join(location) or None
+        message = f"{param}: {error.get('msg')}" if param else str(error.get("msg"))
+        if "input" in error and error.get("type") != "missing":
+            message += f" (got {error['input']!r})"
+        return OpenAIError(400, message, param=param).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return to_openai_error(exc).response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_healthy:
+            return OpenAIError(503, f"the engine loop is dead: {engine.dead_error!r}",
+                               "ServiceUnavailableError").response()
+        if engine.draining:
+            return OpenAIError(503, "the server is shutting down", "ServiceUnavailableError").response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedllm.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
+             "root": model_root or served_model_names[0], "parent": None,
+             "max_model_len": engine.engine.max_model_len} for name in served_model_names]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if engine.metrics is None:
+            return Response("", media_type=CONTENT_TYPE_LATEST)
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> dict:
+        completions.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError(400, "give exactly one of prompt or messages")
+        if request.messages is not None:
+            _, tokens = chat.render(request.messages, request.add_generation_prompt)
+        else:
+            tokenizer = completions.require_tokenizer("tokenize")
+            tokens = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": engine.engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict:
+        completions.check_model(request.model)
+        tokenizer = completions.require_tokenizer("detokenize")
+        vocab_size = engine.engine.model_config.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                              param="tokens")
+        return {"prompt": tokenizer.decode(request.tokens)}
+
+    return app
+
+
+class DrainingServer(uvicorn.Server):
+    """``uvicorn.Server`` whose first SIGTERM/SIGINT drains the engine before exiting (with
+    status 0: uvicorn re-raises the signals it handled itself, which would end the process
+    with -15); a second signal falls back to uvicorn's immediate shutdown."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._draining = False
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        logger.warning("shutting down: draining %d open requests for up to %g s",
+                       self.engine.num_open_requests, self.drain_timeout)
+        aborted = await self.engine.drain(self.drain_timeout)
+        if aborted:
+            logger.warning("aborted %d requests still open at the end of the drain", aborted)
+        self.should_exit = True
+
+
+def _build_engine(args: argparse.Namespace, engine_args: EngineArgs) -> LLMEngine:
+    if args.engine_factory:
+        module_name, _, function_name = args.engine_factory.partition(":")
+        factory = getattr(importlib.import_module(module_name), function_name)
+        return factory(engine_args)
+    return LLMEngine(engine_args)
+
+
+def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    """Build the engine from the CLI options, serve until a signal, drain, return 0.
+
+    Raises:
+        ValueError: a bad option (engine options, --max-waiting-requests, --request-timeout,
+            --drain-timeout) or a configuration that cannot run.
+    """
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    engine_args = EngineArgs.from_kwargs(**engine_kwargs)
+    engine = _build_engine(args, engine_args)
+    names = args.served_model_name or [args.model or Path(DEFAULT_MODEL_FILE).stem]
+    metrics = EngineMetrics(names[0], engine.max_model_len, engine_args.max_num_seqs,
+                            engine_args.max_num_batched_tokens)
+    async_engine = AsyncLLMEngine(engine, metrics, args.max_waiting_requests, args.request_timeout)
+    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    app = build_app(async_engine, names, api_key, model_root=str(args.model or DEFAULT_MODEL_FILE))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            access_log=False, timeout_graceful_shutdown=5)
+    server = DrainingServer(config, async_engine, args.drain_timeout)
+    async_engine.start()
+    try:
+        server.run()
+    finally:
+        async_engine.shutdown()
+    return 0
