@@ -128,9 +128,9 @@ def test_b04_abort_waiting_request():
     allocated_for: set[str] = set()
     original = engine.kv_cache_manager.allocate_slots
 
-    def spy(request, num_new_tokens):
+    def spy(request, *args):
         allocated_for.add(request.request_id)
-        return original(request, num_new_tokens)
+        return original(request, *args)
 
     engine.kv_cache_manager.allocate_slots = spy
     for i, prompt in enumerate(prompts):

@@ -1,0 +1,297 @@
+"""Beam search over the paged KV cache, with beams sharing blocks by fork and copy-on-write.
+
+The selection rule is Hugging Face ``transformers``' ``GenerationMixin._beam_search``
+(``generation/utils.py``, the vectorized version) with ``early_stopping=False``, so that the
+output equals ``model.generate(num_beams=W, do_sample=False, length_penalty=...)``:
+
+1. every running beam's next-token log-softmax (fp32) is added to its running score (the sum of
+   its generated tokens' logprobs); the best ``K = 2 * W`` (beam, token) pairs are kept;
+2. of the best ``W`` of those, the ones ending in EOS (or reaching ``max_tokens``) become
+   finished hypotheses scored ``sum_logprobs / num_generated_tokens ** length_penalty`` (EOS
+   counted); the ``W`` best hypotheses are kept;
+3. the best ``W`` pairs not ending there become the next running beams;
+4. the search ends at ``max_tokens`` or once ``W`` hypotheses are finished and the best
+   running beam, normalized by its current length, cannot beat the worst of them.
+
+Memory is the paper's (Kwon et al. 2023, section 4.4, "Beam search"): a new beam is a fork of
+the beam it extends (its block table with ref count + 1), the beams that are not extended are
+freed, and a beam that writes into a block still shared with a sibling copies it first.
+
+The search drives the KV cache manager and the model runner itself, step by step, like vLLM's
+``LLM.beam_search`` sits outside its engine loop: it runs on an idle engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from pagedllm.core.kv_cache_manager import cdiv
+from pagedllm.core.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine, PromptType
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings (vLLM ``BeamSearchParams`` names).
+
+    Attributes:
+        beam_width: beams kept per step (HF ``num_beams``), >= 1.
+        max_tokens: most tokens generated per sequence, >= 1.
+        ignore_eos: keep extending beams past EOS (then every sequence has ``max_tokens``).
+        length_penalty: a finished sequence's score is ``cum_logprob / len ** length_penalty``
+            with ``len`` the generated tokens, EOS included (HF's definition).
+
+    Raises:
+        ValueError: naming the field, its value and the allowed range.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if (isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float))
+                or not math.isfinite(self.length_penalty)):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished hypothesis (vLLM ``BeamSearchSequence``).
+
+    Attributes:
+        tokens: prompt token ids followed by the generated ones (EOS included if it ended so).
+        cum_logprob: sum of the generated tokens' logprobs (natural log).
+        score: ``cum_logprob / len(generated) ** length_penalty``; sequences are ranked by it.
+        text: the decoded ``tokens`` (empty without a tokenizer).
+        finish_reason: ``"stop"`` (EOS) or ``"length"``.
+    """
+
+    tokens: list[int]
+    cum_logprob: float
+    score: float
+    text: str = ""
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The ``beam_width`` best sequences of one prompt, best first (vLLM ``BeamSearchOutput``)."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)
+
+
+@dataclass
+class _Beam:
+    request: Request
+    score: float  # sum of generated logprobs, as the fp32 value the selection computed
+
+
+@dataclass
+class _Group:
+    """The beams of one prompt."""
+
+    prompt_token_ids: list[int]
+    running: list[_Beam]
+    finished: list[tuple[float, BeamSearchSequence]] = field(default_factory=list)
+    done: bool = False
+
+
+def beam_search(engine: "LLMEngine", prompts: list["PromptType"],
+                params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """Run beam search for every prompt on ``engine``'s model and KV cache.
+
+    Prompts run together in waves whose worst-case KV need (``beam_width`` sequences of
+    ``prompt + max_tokens`` tokens each) fits the pool and whose beams fit ``max_num_seqs``.
+
+    Returns:
+        One ``BeamSearchOutput`` per prompt, in order.
+
+    Raises:
+        ValueError: an engine with requests in flight, a bad prompt, ``prompt + max_tokens``
+            above ``max_model_len``, ``beam_width`` above ``max_num_seqs``, or one prompt's
+            beams needing more blocks than the pool has.
+    """
+    if engine.has_unfinished_requests():
+        raise ValueError("beam search runs on an idle engine: finish or abort the requests in flight first")
+    if params.beam_width > engine.args.max_num_seqs:
+        raise ValueError(f"beam_width={params.beam_width} is larger than max_num_seqs={engine.args.max_num_seqs}")
+    token_lists = [_prompt_token_ids(engine, prompt, params.max_tokens) for prompt in prompts]
+    block_size = engine.args.block_size
+    num_blocks = engine.kv_cache_manager.num_blocks
+    needs = [params.beam_width * cdiv(len(ids) + params.max_tokens, block_size) for ids in token_lists]
+    for need, ids in zip(needs, token_lists):
+        if need > num_blocks:
+            raise ValueError(f"beam search over a {len(ids)}-token prompt needs up to {need} KV blocks "
+                             f"(beam_width={params.beam_width} x {len(ids) + params.max_tokens} tokens) "
+                             f"but the KV cache has {num_blocks} blocks of {block_size} tokens")
+    search = _BeamSearch(engine, params)
+    outputs: list[BeamSearchOutput] = []
+    start = 0
+    while start < len(token_lists):
+        end, used = start, 0
+        while (end < len(token_lists) and used + needs[end] <= num_blocks
+               and (end - start + 1) * params.beam_width <= engine.args.max_num_seqs):
+            used += needs[end]
+            end += 1
+        outputs.extend(search.run(token_lists[start:end]))
+        start = end
+    return outputs
+
+
+def _prompt_token_ids(engine: "LLMEngine", prompt: "PromptType", max_tokens: int) -> list[int]:
+    _, token_ids = engine._tokenize(prompt)
+    vocab = engine.model_config.vocab_size
+    if not token_ids:
+        raise ValueError("the prompt is empty (0 tokens); give at least one token")
+    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+    if len(token_ids) + max_tokens > engine.max_model_len:
+        raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = "
+                         f"{len(token_ids) + max_tokens} tokens exceeds max_model_len={engine.max_model_len}")
+    return token_ids
+
+
+class _BeamSearch:
+    def __init__(self, engine: "LLMEngine", params: BeamSearchParams) -> None:
+        self.engine = engine
+        self.params = params
+        self.kv = engine.kv_cache_manager
+        self.runner = engine.model_runner
+        self.eos_token_id = None if params.ignore_eos else engine.eos_token_id
+        self._ids = itertools.count()
+        self._sampling_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens)
+
+    def _new_request(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> Request:
+        request = Request(f"beam-{next(self._ids)}", prompt_token_ids, self._sampling_params,
+                          self.params.max_tokens, self.eos_token_id)
+        request.output_token_ids = output_token_ids
+        return request
+
+    def run(self, token_lists: list[list[int]]) -> list[BeamSearchOutput]:
+        groups = [_Group(ids, [_Beam(self._new_request(ids, []), 0.0)]) for ids in token_lists]
+        try:
+            for num_generated in range(self.params.max_tokens):
+                live = [group for group in groups if not group.done]
+                if not live:
+                    break
+                requests = [beam.request for group in live for beam in group.running]
+                logits = self._compute(requests)
+                row = 0
+                for group in live:
+                    count = len(group.running)
+                    self._select(group, logits[row:row + count], num_generated + 1)
+                    row += count
+        finally:
+            for group in groups:
+                for beam in group.running:
+                    self.kv.free(beam.request)
+                group.running = []
+        return [self._output(group) for group in groups]
+
+    def _compute(self, requests: list[Request]) -> torch.Tensor:
+        """Compute every request's uncomputed tokens in batches within the token budget.
+
+        Returns:
+            ``[len(requests), vocab]`` fp32 next-token logits, in ``requests`` order.
+        """
+        budget = self.engine.args.max_num_batched_tokens
+        for request in requests:
+            if request.num_computed_tokens == 0 and request.request_id not in self.kv.req_to_blocks:
+                blocks, num_cached = self.kv.get_computed_blocks(request)
+                if not self.kv.allocate_slots(request, 0, num_cached, blocks):
+                    raise RuntimeError("the KV cache ran out of blocks during beam search")
+                request.num_computed_tokens = num_cached
+        rows: dict[str, torch.Tensor] = {}
+        pending = list(requests)
+        while pending:
+            batch: list[tuple[Request, int]] = []
+            left = budget
+            for request in pending:
+                if left == 0:
+                    break
+                num_new = min(request.num_tokens - request.num_computed_tokens, left)
+                if not self.kv.allocate_slots(request, num_new):
+                    raise RuntimeError("the KV cache ran out of blocks during beam search")
+                batch.append((request, num_new))
+                left -= num_new
+            tables = {request.request_id: self.kv.get_block_ids(request.request_id) for request, _ in batch}
+            done, logits = self.runner.compute_logits(batch, tables, self.kv.take_pending_copies())
+            for request, num_new in batch:
+                request.num_computed_tokens += num_new
+                self.kv.cache_blocks(request)
+            for request, row in zip(done, logits):
+                rows[request.request_id] = row
+            pending = [request for request in pending if request.num_computed_tokens < request.num_tokens]
+        return torch.stack([rows[request.request_id] for request in requests])
+
+    def _select(self, group: _Group, logits: torch.Tensor, num_generated: int) -> None:
+        """One HF beam-search step for ``group``; ``logits`` ``[len(running), vocab]`` fp32."""
+        width = self.params.beam_width
+        length_penalty = self.params.length_penalty
+        scores = torch.tensor([beam.score for beam in group.running], dtype=torch.float32)
+        totals = torch.log_softmax(logits, dim=-1) + scores[:, None]
+        vocab = totals.shape[-1]
+        top_values, top_indices = totals.view(-1).topk(min(2 * width, totals.numel()))
+        normalized = (top_values / (num_generated ** length_penalty)).tolist()
+        values = top_values.tolist()
+        at_length = num_generated >= self.params.max_tokens
+
+        new_finished = []
+        next_running: list[tuple[int, int, float]] = []
+        for rank, (index, value) in enumerate(zip(top_indices.tolist(), values)):
+            beam_index, token = divmod(index, vocab)
+            hits = at_length or token == self.eos_token_id
+            if hits:
+                # Only the best `width` candidates may finish; the rest only back up the search.
+                if rank < width:
+                    parent = group.running[beam_index].request
+                    new_finished.append((normalized[rank], BeamSearchSequence(
+                        tokens=parent.all_token_ids + [token], cum_logprob=value,
+                        score=normalized[rank],
+                        finish_reason="stop" if token == self.eos_token_id else "length")))
+            elif len(next_running) < width:
+                next_running.append((beam_index, token, value))
+        group.finished = sorted(group.finished + new_finished, key=lambda item: -item[0])[:width]
+
+        # Fork the extended beams before freeing the old ones, so that shared blocks survive.
+        old = group.running
+        group.running = []
+        for beam_index, token, value in next_running:
+            parent = old[beam_index].request
+            child = self._new_request(group.prompt_token_ids, parent.output_token_ids + [token])
+            self.kv.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            group.running.append(_Beam(child, value))
+        for beam in old:
+            self.kv.free(beam.request)
+
+        if at_length or not group.running:
+            group.done = True
+        elif len(group.finished) == width:
+            best_possible = (torch.tensor(group.running[0].score, dtype=torch.float32)
+                             / (num_generated ** length_penalty)).item()
+            group.done = not best_possible > min(score for score, _ in group.finished)
+
+    def _output(self, group: _Group) -> BeamSearchOutput:
+        tokenizer = self.engine.tokenizer
+        sequences = []
+        for _, sequence in group.finished:
+            if tokenizer is not None:
+                sequence.text = tokenizer.decode(sequence.tokens)
+            sequences.append(sequence)
+        return BeamSearchOutput(sequences)
