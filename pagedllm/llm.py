@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 from typing import Any, Optional, Sequence, Union
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagedllm.config import EngineArgs
+from pagedllm.core.kv_cache_manager import KVCacheStats
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -29,6 +31,33 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (see ``LLMEngine.reset_prefix_cache``); returns True."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_kv_cache_stats(self) -> KVCacheStats:
+        """KV block and token accounting and prefix-cache queries/hits (``KVCacheStats``)."""
+        return self.llm_engine.get_kv_cache_stats()
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search for each prompt, equal to ``transformers``' ``generate(num_beams=...,
+        early_stopping=False)``; beams share KV blocks by fork and copy-on-write.
+
+        Args:
+            prompts: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of those.
+            params: beam width, max_tokens, length_penalty, ignore_eos.
+
+        Returns:
+            One ``BeamSearchOutput`` per prompt, its ``beam_width`` sequences best first.
+
+        Raises:
+            ValueError: see ``pagedllm.beam_search.beam_search``.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return beam_search(self.llm_engine, list(prompts), params)
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -90,6 +119,9 @@ class LLM:
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids = []
+        # Only the final outputs are read here: skip building the intermediate ones (vLLM too).
+        final_only = {id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list}
+        params_list = [final_only[id(p)] for p in params_list]
         try:
             for prompt, params in zip(prompts, params_list):
                 request_id = str(next(self._counter))
