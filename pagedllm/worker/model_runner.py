@@ -45,15 +45,14 @@ class ModelRunnerOutput:
 
 @dataclass
 class _ForwardResult:
-    """The forward of one step: ``hidden`` ``[num_tokens, hidden_size]`` for the flat
-    ``input_ids``, the rows to sample (``sample_rows[i]`` for ``sample_requests[i]``) and the
-    ``(request, first_row, num_rows)`` spans whose next-token logprobs are prompt logprobs."""
+    """The forward of one step: ``hidden`` ``[num_tokens, hidden_size]`` of the flat batch,
+    the rows to sample (``sample_rows[i]`` for ``sample_requests[i]``) and the
+    ``(request, first_row, next_prompt_tokens)`` spans whose rows give prompt logprobs."""
 
     hidden: torch.Tensor
-    input_ids: list[int]
     sample_rows: list[int]
     sample_requests: list[Request]
-    prompt_logprob_rows: list[tuple[Request, int, int]]
+    prompt_logprob_rows: list[tuple[Request, int, list[int]]]
 
 
 class ModelRunner:
@@ -99,10 +98,9 @@ class ModelRunner:
         """
         forward = self._forward(scheduled, block_tables, blocks_to_copy)
         output = ModelRunnerOutput()
-        for request, first_row, count in forward.prompt_logprob_rows:
+        for request, first_row, targets in forward.prompt_logprob_rows:
             output.prompt_logprobs[request.request_id] = self._prompt_logprobs(
-                forward.hidden[first_row:first_row + count],
-                forward.input_ids[first_row + 1:first_row + count + 1],
+                forward.hidden[first_row:first_row + len(targets)], targets,
                 request.sampling_params.prompt_logprobs)
         sample_requests = forward.sample_requests
         if not sample_requests:
@@ -164,7 +162,7 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
-        prompt_logprob_rows: list[tuple[Request, int, int]] = []
+        prompt_logprob_rows: list[tuple[Request, int, list[int]]] = []
         prefill_seqs: list[PrefillSequence] = []
         block_size = self.block_size
         for request, num_new in ordered:
@@ -189,7 +187,8 @@ class ModelRunner:
                 first = max(start + 1, len(request.prompt_logprobs))
                 last = min(end, request.num_prompt_tokens - 1)
                 if first <= last:
-                    prompt_logprob_rows.append((request, row + first - 1 - start, last - first + 1))
+                    prompt_logprob_rows.append((request, row + first - 1 - start,
+                                                request.prompt_token_ids[first:last + 1]))
 
         metadata = AttentionMetadata(slot_mapping=torch.tensor(slots), prefills=prefill_seqs,
                                      num_decode_tokens=len(decodes))
@@ -201,7 +200,7 @@ class ModelRunner:
             metadata.decode_context_lens = torch.tensor(context_lens)
 
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata)
-        return _ForwardResult(hidden, input_ids, sample_rows, sample_requests, prompt_logprob_rows)
+        return _ForwardResult(hidden, sample_rows, sample_requests, prompt_logprob_rows)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, next_token_ids: list[int],
                          num_top: int) -> list[TokenLogprobs]:
