@@ -64,6 +64,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks import throughput
+
+    return throughput.main(args, engine_kwargs(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm",
                                      description="CPU-first LLM inference engine built on PagedAttention")
@@ -79,6 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    throughput = bench_sub.add_parser(
+        "throughput", help="offline throughput on a fixed workload of 64 requests (issue 2), "
+                           "optionally against transformers' generate")
+    from pagedllm.benchmarks import throughput as bench_throughput
+    bench_throughput.add_arguments(throughput)
+    add_engine_args(throughput)
+    # Repeated runs of one workload would otherwise be served from the prefix cache.
+    throughput.set_defaults(func=cmd_bench_throughput, enable_prefix_caching=False)
     return parser
 
 

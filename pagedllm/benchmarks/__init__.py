@@ -1,0 +1,1 @@
+"""Benchmarks shipped with the package (``pagedllm bench ...``)."""
