@@ -1,0 +1,78 @@
+"""SIGTERM drains a real ``pagedllm serve`` process: open requests finish or get a terminal
+error, new ones get 503, and the process exits with status 0."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from tests.conftest import _tiny_model
+from tests.test_server import ServerProcess, sse_events, wait_for_metrics
+
+STEP_SECONDS = 0.05
+
+
+def slow_tiny_engine(engine_args: EngineArgs) -> LLMEngine:
+    """conftest's tiny llama (no tokenizer), each step made to last ``STEP_SECONDS`` so that a
+    long request outlives the drain timeout (the ``--engine-factory`` of this test)."""
+    import torch
+    engine = LLMEngine(engine_args, model=_tiny_model(torch.float32, 0), tokenizer=None)
+    step = engine.step
+
+    def slow_step():
+        time.sleep(STEP_SECONDS)
+        return step()
+    engine.step = slow_step
+    return engine
+
+
+def test_sigterm_drains_then_exits_0(tmp_path):
+    server = ServerProcess("--engine-factory", "tests.test_server_shutdown:slow_tiny_engine",
+                           "--drain-timeout", "3", "--max-model-len", "128", "--block-size", "4",
+                           "--kv-cache-memory-bytes", str(2**20), log_path=tmp_path / "server.log").wait_ready()
+    results: dict[str, object] = {}
+
+    def stream(name: str, max_tokens: int) -> None:
+        body = {"prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            results[name] = sse_events(response.iter_lines())
+
+    def post(name: str, max_tokens: int) -> None:
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": max_tokens},
+                              timeout=60)
+        results[name] = (response.status_code, response.json())
+
+    long_threads = [threading.Thread(target=stream, args=("long", 120)),
+                    threading.Thread(target=post, args=("long_plain", 120))]
+    short_threads = [threading.Thread(target=stream, args=("short", 20)),
+                     threading.Thread(target=post, args=("short_plain", 20))]
+    threads = long_threads + short_threads
+    try:
+        for thread in long_threads:
+            thread.start()
+        wait_for_metrics(server.url, lambda v: v["pagedllm:num_requests_running"] == 2, timeout=30)
+        for thread in short_threads:
+            thread.start()
+        wait_for_metrics(server.url, lambda v: v["pagedllm:num_requests_running"] == 4, timeout=30)
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(server.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        refused = httpx.post(server.url + "/v1/completions", json={"prompt": [1], "max_tokens": 1})
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        for thread in threads:
+            thread.join(30)
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+    short, long = results["short"], results["long"]
+    assert short[-1] == "[DONE]" and short[-2]["choices"][0]["finish_reason"] == "length"
+    assert long[-1] == "[DONE]" and long[-2]["error"]["code"] == 503 and "drain" in long[-2]["error"]["message"]
+    assert results["short_plain"][0] == 200 and results["short_plain"][1]["usage"]["completion_tokens"] == 20
+    assert results["long_plain"][0] == 503
