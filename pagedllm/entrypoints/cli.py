@@ -70,6 +70,35 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return throughput.main(args, engine_kwargs(args))
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    return run_server(args, engine_kwargs(args))
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Options of ``pagedllm serve`` (vLLM's names where vLLM has the option)."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model (same as --model)")
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on the API (default: $PAGEDLLM_API_KEY)")
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="model name(s) clients use; the first is reported (default: the model path)")
+    group.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="answer 429 when this many sequences wait already (default: no limit)")
+    group.add_argument("--request-timeout", type=float, default=None,
+                       help="abort requests running longer than this many seconds (default: never)")
+    group.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on SIGTERM, seconds open requests may still run (default 30)")
+    # Tests serve engines over tiny random models: module:function(EngineArgs) -> LLMEngine.
+    group.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm",
                                      description="CPU-first LLM inference engine built on PagedAttention")
@@ -85,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
+    add_serve_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve, log_level="INFO")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
