@@ -205,7 +205,7 @@ def run_benchmark(llm, workload: list[BenchRequest], repeats: int, baseline: Opt
     Returns:
         ``{"pagedllm": BenchResult, "hf": BenchResult or None, "ratio": float or None}`` of medians.
     """
-    dtype = llm.llm_engine.model.embed_tokens.weight.dtype
+    dtype = llm.llm_engine.model.dtype
     tokenizer = llm.get_tokenizer()
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     hf_model = load_hf_model(model, dtype) if baseline == "hf" else None

@@ -122,7 +122,7 @@ class LLMEngine:
     def _bytes_per_block(self) -> int:
         c = self.model_config
         return kv_cache_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                                        self.args.block_size, self.model.embed_tokens.weight.dtype)
+                                        self.args.block_size, self.model.dtype)
 
     def _determine_num_blocks(self) -> int:
         args = self.args

@@ -190,6 +190,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r}: expected shape {expected}, got {tuple(value.shape)}")
             setattr(module, attr, nn.Parameter(value.to(dtype).contiguous(), requires_grad=False))
 
+        self.dtype = dtype  # the compute (and KV cache) dtype, also once weights are quantized
         put(self.embed_tokens, "weight", take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         put(self.norm, "weight", take("model.norm.weight"), "model.norm.weight")
         for i, layer in enumerate(self.layers):

@@ -73,7 +73,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = config.vocab_size
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.dtype
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype))
                           for _ in range(config.num_hidden_layers)]

@@ -1,0 +1,304 @@
+"""Weight-only quantization of the linear layers: ``int8`` (per output channel) and ``int4``
+(group-wise asymmetric, group 32), with torch's CPU weight-only kernels.
+
+Formats (``W`` is a ``[N, K]`` weight, ``N`` output features, ``K`` input features):
+
+- ``int8``: ``W[n, k] ~= scales[n] * q[n, k]``, ``q`` int8 in ``[-127, 127]``, ``scales`` fp32
+  ``absmax(W[n]) / 127`` (symmetric, as vLLM's CPU ``int8`` weight-only path and
+  ``torch.ao`` ``Int8WeightOnlyConfig``).
+- ``int4``: ``W[n, k] ~= scales[n, g] * q[n, k] + mins[n, g]`` for ``g = k // 32``, ``q`` in
+  ``[0, 15]``: the layout of GGUF ``Q4_1`` (llama.cpp ``ggml-quants.c``), and of each 32-wide
+  sub-block of ``Q4_K`` (``scale = d * sc``, ``min = -dmin * m``), so both load without
+  re-quantizing (``int4_from_q4_1``, ``int4_from_q4_k``). Any other weight is quantized with
+  the group's min/max (``quantize_int4``).
+
+Kernels (measured by ``bench/quant_matmul.py``): ``torch.ops.aten._weight_int8pack_mm`` and
+``_weight_int4pack_mm_for_cpu`` are vectorized only for bf16/fp16 activations (their fp32 path
+is about 10x slower here) and compute one row of ``x`` at a time, so they win for decode-sized
+batches and lose badly for prefill chunks. The layers therefore run the kernel with bf16
+activations for at most ``KERNEL_MAX_ROWS`` rows and otherwise dequantize the weight into the
+activation dtype and call ``F.linear`` (the dequantization is amortized over the rows).
+The int4 kernel's format stores ``(q - 8) * scale + zero`` with ``zero = min + 8 * scale`` and
+scale/zero in bf16; both paths read those bf16 values, so they agree with each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZATION_METHODS = ("int8", "int4")
+INT4_GROUP_SIZE = 32
+# Rows of x up to which the weight-only kernels beat dequantize-then-matmul (bench/quant_matmul.py).
+KERNEL_MAX_ROWS = 16
+# _convert_weight_to_int4pack_for_cpu tiles output channels by 64: rows n and n + 32 of each
+# 64-row tile share a byte (low / high nibble), one 32-byte run per input feature.
+_INT4_TILE_ROWS = 64
+
+
+@dataclass
+class Int4Weight:
+    """A group-32 asymmetric 4-bit weight in plain (unpacked) layout.
+
+    Attributes:
+        codes: ``[N, K]`` uint8 in ``[0, 15]``.
+        scales, mins: ``[N, K // 32]`` fp32; ``W = scales * codes + mins`` per group.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """The ``[N, K]`` fp32 weight, ``scales * codes + mins`` (same op order as ``gguf``)."""
+        n, k = self.codes.shape
+        groups = self.codes.view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE).float()
+        return (self.scales[..., None] * groups + self.mins[..., None]).view(n, k)
+
+    @staticmethod
+    def cat(parts: list["Int4Weight"]) -> "Int4Weight":
+        """Stack along output channels (fused Q/K/V or gate/up)."""
+        return Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                          torch.cat([p.mins for p in parts]))
+
+    def permute_rows(self, index: np.ndarray) -> "Int4Weight":
+        """Reorder output channels (groups run along input features, so rows move whole)."""
+        index = torch.as_tensor(index)
+        return Int4Weight(self.codes[index], self.scales[index], self.mins[index])
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: ``[N, K]`` float -> (``[N, K]`` int8, ``[N]`` fp32 scales).
+
+    A row of zeros gets scale 1 (its codes are 0 either way).
+    """
+    weight = weight.float()
+    scales = weight.abs().amax(dim=1) / 127.0
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    codes = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def quantize_int4(weight: torch.Tensor) -> Int4Weight:
+    """Group-32 min/max asymmetric 4-bit (the ``Q4_1`` recipe of llama.cpp, fp32 scale and min).
+
+    Raises:
+        ValueError: ``K`` (``weight.shape[1]``) is not a multiple of 32.
+    """
+    n, k = weight.shape
+    if k % INT4_GROUP_SIZE:
+        raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP_SIZE}, got {k}")
+    groups = weight.float().reshape(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+    mins = groups.amin(dim=-1)
+    scales = (groups.amax(dim=-1) - mins) / 15.0
+    inverse = torch.where(scales == 0, torch.zeros_like(scales), 1.0 / scales)
+    codes = torch.round((groups - mins[..., None]) * inverse[..., None]).clamp_(0, 15)
+    return Int4Weight(codes.to(torch.uint8).view(n, k), scales, mins)
+
+
+def int4_from_q4_1(blocks: np.ndarray, shape: tuple[int, int]) -> Int4Weight:
+    """Codes, scales and mins of a GGUF ``Q4_1`` tensor, without dequantizing.
+
+    A ``Q4_1`` block is 20 bytes for 32 consecutive weights of a row: fp16 ``d``, fp16 ``m``,
+    16 bytes whose low nibbles are weights 0-15 and high nibbles weights 16-31;
+    ``w = d * q + m`` (llama.cpp ``dequantize_row_q4_1``; ``gguf.quants.Q4_1``).
+
+    Args:
+        blocks: the tensor's raw bytes (any shape, uint8), ``N * K / 32`` blocks.
+        shape: ``(N, K)`` in row-major (Hugging Face) order.
+    """
+    n, k = shape
+    blocks = np.ascontiguousarray(blocks).view(np.uint8).reshape(-1, 20)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    packed = blocks[:, 4:]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+    return Int4Weight(torch.from_numpy(codes.reshape(n, k)),
+                      torch.from_numpy(d.reshape(n, k // 32)), torch.from_numpy(m.reshape(n, k // 32)))
+
+
+def int4_from_q4_k(blocks: np.ndarray, shape: tuple[int, int]) -> Int4Weight:
+    """Codes, scales and mins of a GGUF ``Q4_K`` tensor, without dequantizing.
+
+    A ``Q4_K`` super-block is 144 bytes for 256 weights: fp16 ``d`` and ``dmin``, 12 bytes of
+    eight 6-bit sub-block scales ``sc`` and mins ``m``, then 128 bytes where byte ``i`` of the
+    ``j``-th 32-byte run holds weight ``i`` of sub-block ``2j`` (low nibble) and ``2j + 1``
+    (high nibble); ``w = (d * sc) * q - dmin * m`` per 32-weight sub-block (llama.cpp
+    ``dequantize_row_q4_K``; ``gguf.quants.Q4_K``, whose scale unpacking is reused).
+    """
+    from gguf.quants import Q4_K
+
+    n, k = shape
+    blocks = np.ascontiguousarray(blocks).view(np.uint8).reshape(-1, 144)
+    num_blocks = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+    scales = d * sc.astype(np.float32)
+    mins = -(dmin * m.astype(np.float32))
+    packed = blocks[:, 16:].reshape(num_blocks, 4, 1, 32)
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=2)  # [blocks, 4, 2, 32]
+    return Int4Weight(torch.from_numpy(codes.reshape(n, k)),
+                      torch.from_numpy(scales.reshape(n, k // 32)), torch.from_numpy(mins.reshape(n, k // 32)))
+
+
+def _run_kernel(x: torch.Tensor) -> bool:
+    return x.shape[0] <= KERNEL_MAX_ROWS
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ (scales * q).T + bias`` with int8 ``q`` ``[N, K]`` and fp32 ``scales`` ``[N]``.
+
+    ``forward`` takes ``x`` ``[M, K]`` (fp32 or bf16) and returns ``[M, N]`` in ``x``'s dtype.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("scales_bf16", scales.to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "Int8Linear":
+        return cls(*quantize_int8(weight), bias)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[N, K]`` weight the layer multiplies by, in ``dtype``."""
+        return (self.codes.float() * self.scales[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _run_kernel(x):
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales_bf16).to(x.dtype)
+        else:
+            y = F.linear(x, self.dequantize(x.dtype))
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ W.T + bias`` with ``W`` group-32 asymmetric 4-bit in torch's CPU packed layout.
+
+    Holds ``packed`` (``[N_pad, K / 2]`` uint8, ``N_pad`` = ``N`` rounded up to 64 with zero
+    rows) and ``scales_and_zeros`` (``[K / 32, N_pad, 2]`` bf16). ``forward`` takes ``x``
+    ``[M, K]`` (fp32 or bf16) and returns ``[M, N]`` in ``x``'s dtype.
+    """
+
+    def __init__(self, weight: Int4Weight, bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        n, k = weight.codes.shape
+        self.out_features, self.in_features = n, k
+        pad = -n % _INT4_TILE_ROWS
+        codes, scales, mins = weight.codes, weight.scales, weight.mins
+        if pad:
+            codes = F.pad(codes, (0, 0, 0, pad))
+            scales, mins = F.pad(scales, (0, 0, 0, pad)), F.pad(mins, (0, 0, 0, pad))
+        zeros = mins + 8.0 * scales
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "Int4Linear":
+        return cls(quantize_int4(weight), bias)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[N, K]`` weight the layer multiplies by (bf16 scale/zero applied), in ``dtype``."""
+        n_pad = self.packed.shape[0]
+        k = self.in_features
+        tiles = self.packed.view(n_pad // _INT4_TILE_ROWS, k, _INT4_TILE_ROWS // 2)
+        codes = torch.cat([tiles & 0x0F, tiles >> 4], dim=-1).transpose(1, 2).reshape(n_pad, k)
+        groups = codes.view(n_pad, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE).to(dtype) - 8
+        scales = self.scales_and_zeros[..., 0].t().to(dtype)[..., None]
+        zeros = self.scales_and_zeros[..., 1].t().to(dtype)[..., None]
+        return (groups * scales + zeros).view(n_pad, k)[:self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _run_kernel(x):
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, INT4_GROUP_SIZE,
+                                                            self.scales_and_zeros).to(x.dtype)
+            if y.shape[-1] != self.out_features:
+                y = y[:, :self.out_features]
+        else:
+            y = F.linear(x, self.dequantize(x.dtype))
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+class Int8Embedding(nn.Module):
+    """Token embedding stored as per-row int8 (``[V, H]`` codes, ``[V]`` fp32 scales).
+
+    The rows of an embedding are the output channels of a tied LM head, so an ``Int8Linear``
+    can share these tensors. ``forward`` maps ``[T]`` int64 ids to ``[T, H]`` in ``dtype``.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return (self.codes[input_ids].float() * self.scales[input_ids, None]).to(self.dtype)
+
+
+def quantize_model(model: nn.Module, method: str,
+                   prequantized: Optional[dict[str, Int4Weight]] = None) -> None:
+    """Replace every linear layer of a loaded Llama-family model by its quantized form, in place.
+
+    The token embedding becomes ``Int8Embedding`` in both methods (a lookup reads one row, so
+    int8 costs nothing in speed and is near lossless). ``int8`` shares those tensors with a
+    tied LM head; ``int4`` quantizes the head separately.
+
+    Args:
+        model: a ``LlamaForCausalLM`` (or subclass) with weights installed.
+        method: ``"int8"`` or ``"int4"``.
+        prequantized: for ``int4``, GGUF 4-bit weights by Hugging Face name
+            (``model.layers.0.self_attn.q_proj.weight``); a fused layer uses them when every
+            part is there, else quantizes its float weight.
+
+    Raises:
+        ValueError: unknown ``method``, or a layer whose ``in_features`` does not split into
+            groups of 32 (``int4``).
+    """
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
+    prequantized = prequantized or {}
+    embed_codes, embed_scales = quantize_int8(model.embed_tokens.weight)
+    tied = model.lm_head.weight is model.embed_tokens.weight
+
+    def convert(linear: nn.Linear, hf_parts: list[str]) -> nn.Module:
+        if method == "int8":
+            return Int8Linear.from_float(linear.weight, linear.bias)
+        parts = [prequantized.get(name) for name in hf_parts]
+        if hf_parts and all(p is not None for p in parts):
+            return Int4Linear(Int4Weight.cat(parts), linear.bias)
+        return Int4Linear.from_float(linear.weight, linear.bias)
+
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = convert(attn.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+        attn.o_proj = convert(attn.o_proj, [p + "self_attn.o_proj.weight"])
+        mlp.gate_up_proj = convert(mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        mlp.down_proj = convert(mlp.down_proj, [p + "mlp.down_proj.weight"])
+    if tied and method == "int8":
+        model.lm_head = Int8Linear(embed_codes, embed_scales, None)
+    else:
+        model.lm_head = convert(model.lm_head, [] if tied else ["lm_head.weight"])
+    model.embed_tokens = Int8Embedding(embed_codes, embed_scales, model.dtype)
+    model.quantization = method
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each distinct storage counted once."""
+    seen: dict[int, int] = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
