@@ -8,10 +8,19 @@ A token at position ``p`` of a sequence lives in slot ``p % block_size`` of phys
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
 
 
 @dataclass
@@ -59,16 +68,21 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """Attention of one new token per sequence over its cached context (pure torch reference).
+def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
+                                 value_cache: torch.Tensor, block_tables: torch.Tensor,
+                                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention by gathering K/V through the block tables with torch indexing.
+
+    The reference the C++ kernel is tested against, and the fallback where it cannot be built.
+    It copies every sequence's blocks, padded to the longest, before attending: memory traffic
+    about three times the K/V size, which is why the kernel exists (see bench/README.md).
 
     Args:
         query: ``[num_seqs, num_heads, head_dim]``.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        block_tables: ``[num_seqs, max_blocks]`` int64.
-        context_lens: ``[num_seqs]`` int64, >= 1.
+        block_tables: ``[num_seqs, max_blocks]`` int64; entries past a sequence's last block
+            must still be valid block ids (0 is used as padding).
+        context_lens: ``[num_seqs]`` int64 in ``[1, max_blocks * block_size]``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
 
     Returns:
@@ -86,10 +100,45 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     return out.squeeze(2)
 
 
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached context, read in place.
+
+    Runs the C++ kernel (``pagedllm/csrc/paged_attention.cpp``: one work item per sequence x
+    KV head, fp32 accumulation) when it is available, else ``paged_decode_attention_torch``.
+    Arguments and result as ``paged_decode_attention_torch``.
+    """
+    kernel = decode_kernel()
+    if kernel is None:
+        return paged_decode_attention_torch(query, key_cache, value_cache, block_tables,
+                                            context_lens, scale)
+    return kernel.paged_decode_attention(query, key_cache, value_cache, block_tables,
+                                         context_lens, scale)
+
+
+def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``[kv_len, num_kv_heads, head_dim]`` -> ``[1, num_kv_heads * group, kv_len, head_dim]``.
+
+    Repeating the KV heads costs one copy of the chunk's K/V; torch's flash SDPA on the CPU
+    with ``enable_gqa`` measured ~1.7x slower than on repeated heads.
+    """
+    x = x.transpose(0, 1)
+    if group > 1:
+        x = x.repeat_interleave(group, dim=0)
+    return x.unsqueeze(0)
+
+
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       key_cache: torch.Tensor, value_cache: torch.Tensor,
                       seq: PrefillSequence, scale: float) -> torch.Tensor:
     """Causal attention of a chunk of ``q_len`` tokens over its cached prefix and itself.
+
+    All tensors given to SDPA are 4-D: torch dispatches 3-D inputs to its unfused math path,
+    measured ~10x slower on this CPU than the flash kernel 4-D inputs get. A chunk with a
+    cached prefix (chunked prefill, prefix-cache hit) gathers that prefix through its block
+    table, a copy of ``context_len`` K/V rows, small next to the ``q_len x context_len``
+    attention itself.
 
     Args:
         query: ``[q_len, num_heads, head_dim]``; key/value: ``[q_len, num_kv_heads, head_dim]``
@@ -102,19 +151,24 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """
     q_len, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
-    gqa = num_heads != num_kv_heads
-    q = query.transpose(0, 1)
-    if seq.context_len == q_len:
-        return F.scaled_dot_product_attention(q, key.transpose(0, 1), value.transpose(0, 1),
-                                              is_causal=True, scale=scale,
-                                              enable_gqa=gqa).transpose(0, 1)
+    group = num_heads // num_kv_heads
+    q = query.transpose(0, 1).unsqueeze(0)
     ctx = seq.context_len
-    keys = key_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
-    values = value_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+    if ctx == q_len:
+        out = F.scaled_dot_product_attention(q, _expand_kv_heads(key, group),
+                                             _expand_kv_heads(value, group), is_causal=True,
+                                             scale=scale)
+        return out[0].transpose(0, 1)
+    keys = key_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:ctx]
+    values = value_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:ctx]
+    # Bottom-right aligned causal mask: query i (position ctx - q_len + i) sees keys 0..that.
     query_pos = torch.arange(ctx - q_len, ctx)
-    mask = torch.arange(ctx)[None, :] <= query_pos[:, None]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                          enable_gqa=gqa).transpose(0, 1)
+    mask = torch.zeros(q_len, ctx, dtype=query.dtype).masked_fill_(
+        torch.arange(ctx)[None, :] > query_pos[:, None], float("-inf"))
+    out = F.scaled_dot_product_attention(q, _expand_kv_heads(keys, group),
+                                         _expand_kv_heads(values, group), attn_mask=mask,
+                                         scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -143,3 +197,32 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                                    value[seq.start:seq.end], key_cache, value_cache,
                                                    seq, scale)
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def decode_kernel():
+    """The ops of the compiled C++ kernel (``torch.ops.pagedllm``), or None where it cannot be had.
+
+    Compiled on first use by ``torch.utils.cpp_extension.load`` (ninja + the system C++
+    compiler, ``-O3 -march=native -fopenmp``) and cached in torch's extension folder
+    (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), so later processes only
+    load it. ``PAGEDLLM_ATTENTION_BACKEND=torch`` skips it. A failed build logs one warning
+    and leaves the pure-torch path, which computes the same result more slowly.
+    """
+    if os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "cpp") == "torch":
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        # pip installs ninja into the venv's bin, which is not on PATH unless it is activated.
+        venv_bin = str(Path(sys.executable).parent)
+        if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+        cpp_extension.load(name="pagedllm_paged_attention", sources=[str(KERNEL_SOURCE)],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        return torch.ops.pagedllm
+    except Exception as exc:  # any build or load failure: the torch path still works
+        logger.warning("C++ paged attention kernel unavailable (%s: %s); using the pure-torch "
+                       "path", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None

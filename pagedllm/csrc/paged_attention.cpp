@@ -1,0 +1,177 @@
+// Decode attention that reads K/V in place through the block table (PagedAttention, Kwon et al.
+// 2023, section 4.1; the work split mirrors vLLM's csrc/cpu/attention.cpp paged_attention_v1:
+// one work item per (sequence, KV head), so each K/V row is loaded once for all query heads of
+// its group).
+//
+// Built on first use by pagedllm/layers/attention.py through torch.utils.cpp_extension; the
+// pure-torch paged_decode_attention_torch there is the reference the tests compare against.
+//
+// Layouts (all row-major):
+//   query        [num_seqs, num_heads, head_dim]   (head_dim contiguous; other strides free)
+//   key/value    [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+//   block_tables [num_seqs, max_blocks] int64, context_lens [num_seqs] int64
+//   out          [num_seqs, num_heads, head_dim] contiguous, the query's dtype
+// Scores and the weighted sum are accumulated in fp32 whatever the storage dtype.
+
+// Only ATen and the op registry are included (not torch/extension.h, which pulls in pybind11,
+// autograd and torch::nn): the first-use build then takes ~4x less compiler time.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename T>
+inline float dot(const float* __restrict__ q, const T* __restrict__ k, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += q[i] * to_float(k[i]);
+  return acc;
+}
+
+template <typename T>
+inline void axpy(float a, const T* __restrict__ x, float* __restrict__ y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * to_float(x[i]);
+}
+
+template <typename T>
+void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                      const at::Tensor& value_cache, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens, float scale) {
+  const int64_t num_seqs = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_dim = query.size(2);
+  const int64_t num_blocks = key_cache.size(0);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t q_seq_stride = query.stride(0);
+  const int64_t q_head_stride = query.stride(1);
+  const int64_t token_stride = num_kv_heads * head_dim;
+
+  const T* q_base = query.data_ptr<T>();
+  const T* k_base = key_cache.data_ptr<T>();
+  const T* v_base = value_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* out_base = out.data_ptr<T>();
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_f(group * head_dim);
+    std::vector<float> acc(group * head_dim);
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads;
+      const int64_t kv_head = item % num_kv_heads;
+      const int64_t context_len = lens[seq];
+      TORCH_CHECK_VALUE(context_len >= 1 && context_len <= max_blocks * block_size,
+                  "context_lens[", seq, "] = ", context_len, " must be in [1, ",
+                  max_blocks * block_size, "] (max_blocks x block_size)");
+      const int64_t* table = tables + seq * max_blocks;
+      const int64_t used_blocks = (context_len + block_size - 1) / block_size;
+      for (int64_t b = 0; b < used_blocks; ++b) {
+        TORCH_CHECK_VALUE(table[b] >= 0 && table[b] < num_blocks, "block_tables[", seq, ", ", b,
+                    "] = ", table[b], " is outside [0, ", num_blocks, ")");
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const T* q = q_base + seq * q_seq_stride + (kv_head * group + g) * q_head_stride;
+        for (int64_t d = 0; d < head_dim; ++d) q_f[g * head_dim + d] = to_float(q[d]) * scale;
+      }
+      scores.resize(group * context_len);
+
+      // Pass 1: scores of every query head of the group against each cached key.
+      for (int64_t b = 0; b < used_blocks; ++b) {
+        const int64_t first = b * block_size;
+        const int64_t count = std::min(block_size, context_len - first);
+        const T* k_block = k_base + table[b] * block_size * token_stride + kv_head * head_dim;
+        for (int64_t slot = 0; slot < count; ++slot) {
+          const T* k = k_block + slot * token_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            scores[g * context_len + first + slot] = dot(q_f.data() + g * head_dim, k, head_dim);
+          }
+        }
+      }
+      // Softmax per head (max-subtracted, as torch's softmax).
+      std::vector<float> inv_sum(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * context_len;
+        float max_score = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < context_len; ++t) max_score = std::max(max_score, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < context_len; ++t) {
+          s[t] = std::exp(s[t] - max_score);
+          sum += s[t];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      // Pass 2: probability-weighted sum of the values.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0; b < used_blocks; ++b) {
+        const int64_t first = b * block_size;
+        const int64_t count = std::min(block_size, context_len - first);
+        const T* v_block = v_base + table[b] * block_size * token_stride + kv_head * head_dim;
+        for (int64_t slot = 0; slot < count; ++slot) {
+          const T* v = v_block + slot * token_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            axpy(scores[g * context_len + first + slot], v, acc.data() + g * head_dim, head_dim);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* o = out_base + (seq * num_heads + kv_head * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d] * inv_sum[g]);
+      }
+    }
+  });
+}
+
+// Shapes and dtypes are validated by the Python wrapper; only what would corrupt memory is
+// checked again here.
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK_VALUE(query.dim() == 3 && query.stride(2) == 1, "query must be [seqs, heads, head_dim] with contiguous head_dim");
+  TORCH_CHECK_VALUE(key_cache.is_contiguous() && value_cache.is_contiguous(), "K/V caches must be contiguous");
+  TORCH_CHECK_VALUE(key_cache.sizes() == value_cache.sizes(), "K and V caches differ in shape");
+  TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.size(3) == query.size(2), "K/V cache head_dim differs from the query's");
+  TORCH_CHECK_VALUE(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK_VALUE(query.scalar_type() == key_cache.scalar_type() && query.scalar_type() == value_cache.scalar_type(),
+              "query and K/V caches must share one dtype");
+  TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == query.size(0),
+              "block_tables must be contiguous int64 [num_seqs, max_blocks]");
+  TORCH_CHECK_VALUE(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
+                  context_lens.numel() == query.size(0),
+              "context_lens must be contiguous int64 [num_seqs]");
+  auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  if (query.size(0) == 0) return out;
+  if (query.scalar_type() == at::kFloat) {
+    decode_attention<float>(out, query, key_cache, value_cache, block_tables, context_lens, static_cast<float>(scale));
+  } else if (query.scalar_type() == at::kBFloat16) {
+    decode_attention<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens,
+                                    static_cast<float>(scale));
+  } else {
+    TORCH_CHECK_VALUE(false, "paged_decode_attention supports float32 and bfloat16, got ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor",
+        &paged_decode_attention);
+}

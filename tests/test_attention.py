@@ -1,0 +1,207 @@
+"""Paged attention: the C++ decode kernel and the torch paths against a dense reference.
+
+The reference rebuilds each sequence's K/V token by token from its block table in Python and
+computes ``softmax(q k^T * scale) v`` with explicit matmuls, one query head at a time: no
+block gathers, no SDPA, no GQA broadcasting shared with the code under test.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedllm.layers import attention
+from pagedllm.layers.attention import (AttentionMetadata, PrefillSequence, decode_kernel,
+                                       paged_attention, paged_decode_attention,
+                                       paged_decode_attention_torch, prefill_attention)
+
+NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM = 64, 16, 32
+
+
+def dense_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_table: list[int], context_len: int, query_positions: list[int],
+                    scale: float) -> torch.Tensor:
+    """Attention of queries ``[q_len, H, D]`` at ``query_positions`` over one sequence, fp64."""
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    keys = torch.stack([key_cache[block_table[p // block_size], p % block_size] for p in range(context_len)])
+    values = torch.stack([value_cache[block_table[p // block_size], p % block_size] for p in range(context_len)])
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for head in range(query.shape[1]):
+        k = keys[:, head // group].double()
+        v = values[:, head // group].double()
+        for row, pos in enumerate(query_positions):
+            scores = (k[:pos + 1] @ query[row, head].double()) * scale
+            out[row, head] = scores.softmax(0) @ v[:pos + 1]
+    return out
+
+
+def random_caches(num_kv_heads: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype), g
+
+
+def random_decode_batch(num_seqs: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int):
+    """Caches, queries and random (non-contiguous, shuffled) block tables for a decode batch."""
+    key_cache, value_cache, g = random_caches(num_kv_heads, dtype, seed)
+    context_lens = torch.randint(1, 12 * BLOCK_SIZE, (num_seqs,), generator=g)
+    context_lens[0] = 1  # a sequence whose first token is also its only one
+    context_lens[-1] = 12 * BLOCK_SIZE  # exactly full blocks
+    max_blocks = int(-(-context_lens.max() // BLOCK_SIZE))
+    # Padding entries beyond a sequence's blocks hold arbitrary valid ids, as the runner's 0s.
+    block_tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=g)[:max_blocks] for _ in range(num_seqs)])
+    query = torch.randn(num_seqs, num_heads, HEAD_DIM, generator=g).to(dtype)
+    return query, key_cache, value_cache, block_tables, context_lens
+
+
+def decode_reference(query, key_cache, value_cache, block_tables, context_lens, scale):
+    return torch.cat([dense_reference(query[i:i + 1], key_cache, value_cache, block_tables[i].tolist(),
+                                      int(context_lens[i]), [int(context_lens[i]) - 1], scale)
+                      for i in range(query.shape[0])])
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    ops = decode_kernel()
+    if ops is None:
+        pytest.fail("the C++ kernel did not build (see the warning logged by decode_kernel)")
+    return ops
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3)])
+def test_decode_kernel_matches_reference_fp32(kernel, num_heads, num_kv_heads):
+    batch = random_decode_batch(13, num_heads, num_kv_heads, torch.float32, seed=num_heads)
+    scale = HEAD_DIM ** -0.5
+    expected = decode_reference(*batch, scale)
+    out = kernel.paged_decode_attention(*batch, scale)
+    assert out.dtype == torch.float32 and out.shape == batch[0].shape
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(paged_decode_attention_torch(*batch, scale).double(), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_decode_kernel_bf16_matches_fp32_math(kernel):
+    query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(
+        9, 8, 2, torch.bfloat16, seed=7)
+    scale = HEAD_DIM ** -0.5
+    # The kernel reads bf16 and accumulates in fp32: compare with fp64 math on the same values,
+    # allowing one bf16 rounding of the output (relative 2^-8).
+    expected = decode_reference(query, key_cache, value_cache, block_tables, context_lens, scale)
+    out = kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, rtol=2 ** -8, atol=1e-3)
+
+
+def test_decode_kernel_reads_strided_query(kernel):
+    """The model passes q as a view into the fused QKV projection (row stride > H * D)."""
+    query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(5, 4, 2, torch.float32, 3)
+    fused = torch.cat([query.flatten(1), torch.randn(5, 2 * 2 * HEAD_DIM)], dim=1)
+    strided = fused[:, :4 * HEAD_DIM].view(5, 4, HEAD_DIM)
+    assert not strided.is_contiguous()
+    scale = 0.3
+    torch.testing.assert_close(
+        kernel.paged_decode_attention(strided, key_cache, value_cache, block_tables, context_lens, scale),
+        kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale))
+
+
+def test_decode_kernel_rejects_bad_block_ids_and_lengths(kernel):
+    query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(3, 4, 2, torch.float32, 5)
+    bad_tables = block_tables.clone()
+    bad_tables[1, 0] = NUM_BLOCKS
+    with pytest.raises(ValueError, match=r"block_tables\[1, 0\] = 64 is outside \[0, 64\)"):
+        kernel.paged_decode_attention(query, key_cache, value_cache, bad_tables, context_lens, 1.0)
+    too_long = context_lens.clone()
+    too_long[2] = block_tables.shape[1] * BLOCK_SIZE + 1
+    with pytest.raises(ValueError, match=r"context_lens\[2\]"):
+        kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, too_long, 1.0)
+    with pytest.raises(ValueError, match="int64"):
+        kernel.paged_decode_attention(query, key_cache, value_cache, block_tables.int(), context_lens, 1.0)
+
+
+def test_decode_falls_back_to_torch_when_the_build_fails(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def failing_load(*args, **kwargs):
+        raise RuntimeError("Error building extension 'pagedllm_paged_attention'")
+
+    query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(4, 4, 2, torch.float32, 9)
+    expected = decode_reference(query, key_cache, value_cache, block_tables, context_lens, 0.2)
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    decode_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=attention.__name__):
+            assert decode_kernel() is None
+            out = paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, 0.2)
+        assert "using the pure-torch path" in caplog.text
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        decode_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("num_cached,q_len", [(0, 37), (16, 16), (23, 40), (150, 7)])
+def test_prefill_with_cached_context_matches_reference(num_cached, q_len):
+    """A chunk at positions [num_cached, num_cached + q_len) over a prefix already in the cache."""
+    num_heads, num_kv_heads = 6, 2
+    key_cache, value_cache, g = random_caches(num_kv_heads, torch.float32, seed=num_cached + q_len)
+    context_len = num_cached + q_len
+    table = torch.randperm(NUM_BLOCKS, generator=g)[:-(-context_len // BLOCK_SIZE)]
+    query = torch.randn(q_len, num_heads, HEAD_DIM, generator=g)
+    key = torch.randn(q_len, num_kv_heads, HEAD_DIM, generator=g)
+    value = torch.randn(q_len, num_kv_heads, HEAD_DIM, generator=g)
+    positions = range(num_cached, context_len)
+    slots = torch.tensor([int(table[p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in positions])
+    metadata = AttentionMetadata(slot_mapping=slots, prefills=[PrefillSequence(0, q_len, context_len, table)])
+    scale = HEAD_DIM ** -0.5
+    out = paged_attention(query, key, value, key_cache, value_cache, metadata, scale)
+    # paged_attention wrote the chunk's K/V into its slots.
+    torch.testing.assert_close(key_cache.view(-1, num_kv_heads, HEAD_DIM)[slots], key)
+    expected = dense_reference(query, key_cache, value_cache, table.tolist(), context_len, list(positions), scale)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_batch_of_decodes_and_prefill_chunks(kernel):
+    """Decode rows first, then two prefill chunks (one with context): each row as alone."""
+    num_heads, num_kv_heads = 4, 2
+    key_cache, value_cache, g = random_caches(num_kv_heads, torch.float32, seed=11)
+    blocks = torch.randperm(NUM_BLOCKS, generator=g)
+    # (context already in the cache, new tokens, block table)
+    seqs = [(40, 1, blocks[0:3]), (5, 1, blocks[3:4]), (0, 20, blocks[4:6]), (33, 12, blocks[6:9])]
+    rows, slots, prefills, queries = 0, [], [], []
+    for num_cached, num_new, table in seqs:
+        end = num_cached + num_new
+        slots += [int(table[p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(num_cached, end)]
+        if num_new > 1:
+            prefills.append(PrefillSequence(rows, rows + num_new, end, table))
+        rows += num_new
+    query = torch.randn(rows, num_heads, HEAD_DIM, generator=g)
+    key = torch.randn(rows, num_kv_heads, HEAD_DIM, generator=g)
+    value = torch.randn(rows, num_kv_heads, HEAD_DIM, generator=g)
+    decode_tables = torch.stack([blocks[0:3], blocks[3:4].repeat(3)])  # padded with a valid id
+    metadata = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decode_tokens=2,
+                                 decode_block_tables=decode_tables,
+                                 decode_context_lens=torch.tensor([41, 6]), prefills=prefills)
+    out = paged_attention(query, key, value, key_cache, value_cache, metadata, 0.25)
+    row = 0
+    for num_cached, num_new, table in seqs:
+        end = num_cached + num_new
+        expected = dense_reference(query[row:row + num_new], key_cache, value_cache, table.tolist(), end,
+                                   list(range(num_cached, end)), 0.25)
+        torch.testing.assert_close(out[row:row + num_new].double(), expected, rtol=1e-5, atol=1e-5)
+        row += num_new
+
+
+def test_prefill_bf16_close_to_fp32():
+    num_heads, num_kv_heads, q_len = 4, 2, 48
+    key_cache, value_cache, g = random_caches(num_kv_heads, torch.float32, seed=2)
+    query = torch.randn(q_len, num_heads, HEAD_DIM, generator=g)
+    key = torch.randn(q_len, num_kv_heads, HEAD_DIM, generator=g)
+    value = torch.randn(q_len, num_kv_heads, HEAD_DIM, generator=g)
+    seq = PrefillSequence(0, q_len, q_len, torch.arange(3))
+    expected = prefill_attention(query, key, value, key_cache, value_cache, seq, 0.2)
+    out = prefill_attention(query.bfloat16(), key.bfloat16(), value.bfloat16(), key_cache.bfloat16(),
+                            value_cache.bfloat16(), seq, 0.2)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -6, atol=2e-2)
