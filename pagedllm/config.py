@@ -53,6 +53,9 @@ class EngineArgs:
         enable_prefix_caching: reuse the KV blocks of identical prompt prefixes.
         seed: seed of the global sampling generator.
         tensor_parallel_size, pipeline_parallel_size: only 1 is supported.
+        quantization: None (weights in ``dtype``), ``"int8"`` (per-channel weight-only) or
+            ``"int4"`` (group-32 asymmetric; GGUF Q4_1/Q4_K tensors are used as they are);
+            see ``pagedllm/layers/quantization.py``.
     """
 
     model: Optional[str] = None
@@ -68,6 +71,7 @@ class EngineArgs:
     seed: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    quantization: Optional[str] = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -96,6 +100,8 @@ class EngineArgs:
         Raises:
             ValueError: naming the option, its value and the allowed range.
         """
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be one of None, 'int8', 'int4', got {self.quantization!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

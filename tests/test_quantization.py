@@ -1,0 +1,151 @@
+"""Weight-only int8 / int4: kernels against dequantize-then-matmul, GGUF 4-bit blocks against
+``gguf``'s own dequantization, and the int4 SmolLM2 engine end to end (answer and perplexity)."""
+
+from __future__ import annotations
+
+import math
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import tiny_config, tiny_state_dict
+from pagedllm.config import EngineArgs
+from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
+from pagedllm.layers.quantization import (KERNEL_MAX_ROWS, Int4Linear, Int8Linear, int4_from_q4_1,
+                                          int4_from_q4_k, quantize_int4, quantize_int8, weight_bytes)
+from pagedllm.models.loader import build_model
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import ModelRunner
+
+
+def _random_linear(out_features=192, in_features=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=g) * 0.05
+    bias = torch.randn(out_features, generator=g) * 0.1
+    return weight, bias
+
+
+@pytest.mark.parametrize("rows", [1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 64])
+def test_int8_matmul_matches_dequantized_reference(rows):
+    weight, bias = _random_linear()
+    layer = Int8Linear.from_float(weight, bias)
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(1))
+    reference = F.linear(x.double(), layer.dequantize().double(), bias.double())
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, weight.shape[0])
+    # The kernel rounds x and y to bf16 (relative 2^-8 each); the dequantize path is fp32.
+    tolerance = 2 ** -7 * reference.abs().max().item() if rows <= KERNEL_MAX_ROWS else 1e-5
+    assert (y.double() - reference).abs().max().item() <= tolerance
+    # Per-channel symmetric int8 is within half a step (absmax / 254) of the float weight.
+    step = weight.abs().amax(dim=1, keepdim=True) / 127
+    assert ((layer.dequantize() - weight).abs() <= step / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("rows", [1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 64])
+@pytest.mark.parametrize("out_features", [192, 100])  # 100: not a multiple of the 64-row pack tile
+def test_int4_matmul_matches_dequantized_reference(rows, out_features):
+    weight, bias = _random_linear(out_features)
+    quantized = quantize_int4(weight)
+    layer = Int4Linear(quantized, bias)
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(1))
+    # The layer's weight is the int4 reconstruction with bf16 scale and zero: within 2^-8
+    # relative of each (scale * 15 and |zero|) of the fp32 reconstruction.
+    exact = quantized.dequantize()
+    groups = quantized.scales.repeat_interleave(32, dim=1)
+    zero = (quantized.mins + 8 * quantized.scales).abs().repeat_interleave(32, dim=1)
+    assert ((layer.dequantize() - exact).abs() <= 2 ** -8 * (8 * groups + zero) + 1e-7).all()
+    # Group min/max 4-bit is within half a step of the float weight.
+    assert ((exact - weight).abs() <= groups / 2 + 1e-6).all()
+    reference = F.linear(x.double(), layer.dequantize().double(), bias.double())
+    y = layer(x)
+    assert y.shape == (rows, out_features)
+    tolerance = 2 ** -7 * reference.abs().max().item() if rows <= KERNEL_MAX_ROWS else 1e-5
+    assert (y.double() - reference).abs().max().item() <= tolerance
+
+
+def test_int4_rejects_in_features_not_divisible_by_group():
+    with pytest.raises(ValueError, match="divisible by 32, got 48"):
+        quantize_int4(torch.randn(8, 48))
+
+
+@pytest.mark.parametrize("qtype, reader", [(gguf.GGMLQuantizationType.Q4_1, int4_from_q4_1),
+                                           (gguf.GGMLQuantizationType.Q4_K, int4_from_q4_k)])
+def test_gguf_4bit_blocks_dequantize_exactly_like_gguf(qtype, reader):
+    rng = np.random.default_rng(0)
+    if qtype == gguf.GGMLQuantizationType.Q4_1:
+        weight = (rng.standard_normal((8, 512)) * 0.05).astype(np.float32)
+        blocks = gguf.quants.quantize(weight, qtype)
+    else:
+        # gguf has no numpy Q4_K quantizer: random bytes are valid Q4_K blocks once the two
+        # fp16 super-block scales (d, dmin) are finite.
+        blocks = rng.integers(0, 256, size=(8, 2 * 144), dtype=np.uint8)
+        blocks.reshape(-1, 144)[:, 0:4] = np.array([0.01, 0.02], dtype=np.float16).view(np.uint8)
+    expected = gguf.quants.dequantize(blocks, qtype).reshape(8, 512)
+    ours = reader(blocks, (8, 512))
+    assert ours.codes.dtype == torch.uint8 and int(ours.codes.max()) <= 15
+    np.testing.assert_array_equal(ours.dequantize().numpy(), expected)
+
+
+def test_real_q4_1_tensor_dequantizes_exactly_like_gguf():
+    from pagedllm.models.loader import resolve_model_path
+
+    reader = gguf.GGUFReader(str(resolve_model_path(None)))
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1
+    shape = tuple(reversed([int(d) for d in tensor.shape]))
+    expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    np.testing.assert_array_equal(int4_from_q4_1(tensor.data, shape).dequantize().numpy(), expected)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_model_equals_float_model_with_dequantized_weights(method):
+    """quantize_model wires every layer (fused Q/K/V and gate/up, LM head, embedding): the
+    quantized model's logits equal those of the float model given its dequantized weights."""
+    config = tiny_config()
+    state_dict = tiny_state_dict(config)
+    quantized = build_model(config, state_dict, torch.float32, quantization=method)
+    reference = build_model(config, state_dict, torch.float32)
+    assert weight_bytes(quantized) < weight_bytes(reference) / (3 if method == "int8" else 4)
+    assert quantized.unquantized_weight_bytes == weight_bytes(reference)
+    for name, module in quantized.named_modules():
+        if isinstance(module, (Int8Linear, Int4Linear)):
+            reference.get_submodule(name).weight.copy_(module.dequantize())
+    embedding = quantized.embed_tokens
+    reference.embed_tokens.weight.copy_(embedding.codes.float() * embedding.scales[:, None])
+
+    ids = torch.arange(1, 33)  # 32 rows: the dequantize-then-matmul path, fp32 throughout
+
+    def logits(model):
+        runner = ModelRunner(model, num_blocks=8, block_size=4)
+        metadata = AttentionMetadata(slot_mapping=torch.arange(32), num_decode_tokens=0,
+                                     prefills=[PrefillSequence(0, 32, 32, torch.arange(8))])
+        return model.compute_logits(model(ids, torch.arange(32), runner.kv_caches, metadata))
+
+    torch.testing.assert_close(logits(quantized), logits(reference), rtol=1e-4, atol=1e-4)
+
+
+def test_quantization_option_is_validated():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineArgs.from_kwargs(quantization="int3")
+
+
+@pytest.mark.slow
+def test_int4_smollm2_answers_paris_and_keeps_perplexity():
+    from pagedllm import LLM
+    from pagedllm.benchmarks.accuracy import perplexity, shipped_text_token_ids
+
+    results = {}
+    for method in (None, "int4"):
+        llm = LLM(dtype="float32", quantization=method, kv_cache_memory_bytes=128 * 2**20, max_model_len=1024)
+        token_ids = shipped_text_token_ids(llm.get_tokenizer(), 512)
+        results[method] = perplexity(llm, token_ids)
+        if method == "int4":
+            out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+            assert "Paris" in out[0].outputs[0].text
+        del llm
+    assert math.isfinite(results[None]) and results[None] > 1
+    assert abs(results["int4"] / results[None] - 1) < 0.10, results
