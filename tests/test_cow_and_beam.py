@@ -265,7 +265,7 @@ def test_beam_search_equals_transformers_smollm2(smollm2_llm_fp32):
     prompts = [tokenizer.encode("The capital of France is"),
                tokenizer.encode("def fibonacci(n):"),
                llm.encode_chat([{"role": "user", "content": "Say hi."}])]
-    params = BeamSearchParams(beam_width=2, max_tokens=8, length_penalty=0.8)
+    params = BeamSearchParams(beam_width=2, max_tokens=6, length_penalty=0.8)
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     with torch.inference_mode():
         for prompt, output in zip(prompts, outputs):
