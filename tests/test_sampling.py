@@ -290,3 +290,16 @@ def test_delta_and_final_only_output_kinds():
     # Values agree up to the float noise of a different batch shape.
     assert [lp.logprob for e in streamed for lp in e.values()] == \
         pytest.approx([lp.logprob for e in want for lp in e.values()], abs=1e-5)
+
+
+def test_b24_n_samples_are_independent_and_seeded_repeatable():
+    prompt = [9, 8, 7, 6]
+    for n in (2, 4):
+        params = SamplingParams(n=n, temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
+        first, _ = _run([prompt], params)
+        again, _ = _run([prompt], params)
+        completions = first[0].outputs
+        assert [c.index for c in completions] == list(range(n))
+        samples = [tuple(c.token_ids) for c in completions]
+        assert len(set(samples)) == n and all(len(s) == 10 for s in samples)
+        assert [c.token_ids for c in again[0].outputs] == [list(s) for s in samples]

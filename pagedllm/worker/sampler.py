@@ -264,12 +264,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Masks, logit bias and penalties (steps 2-4 of the module docstring); a new tensor.
+    """Masks, logit bias and penalties (steps 2-4 of the module docstring); a new tensor, or
+    ``logits`` itself when no row asks for any.
 
     A row whose every token got masked (for instance ``allowed_token_ids`` holding only the
     EOS before ``min_tokens``) keeps its unmasked logits rather than turning into NaN.
     """
-    processed = logits.clone()
+    processed = logits
+    if meta.allowed is not None or meta.banned is not None or meta.logit_bias is not None:
+        processed = logits.clone()
     if meta.allowed is not None:
         rows, tokens, restricts = meta.allowed
         keep = ~restricts.unsqueeze(1).expand_as(processed).clone()
@@ -304,7 +307,6 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
         A ``SamplerOutput``.
     """
     logits = logits.float()
-    raw_logprobs = compute_logprobs(logits)
     processed = process_logits(logits, meta)
     token_ids = processed.argmax(dim=-1)
     if not meta.all_greedy:
@@ -321,8 +323,11 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
         sampled = (probs / noise).argmax(dim=-1)
         token_ids = torch.where(meta.greedy, token_ids, sampled)
     if meta.max_num_logprobs is None:
-        return SamplerOutput(token_ids, raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1))
-    token_logprobs, ranks, top_ids, top_logprobs = gather_logprobs(raw_logprobs, token_ids,
+        # One pass over the vocabulary instead of a full log-softmax: only cumulative_logprob
+        # needs it.
+        token_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+        return SamplerOutput(token_ids, torch.nan_to_num(token_logprobs, nan=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR))
+    token_logprobs, ranks, top_ids, top_logprobs = gather_logprobs(compute_logprobs(logits), token_ids,
                                                                    meta.max_num_logprobs)
     return SamplerOutput(token_ids, token_logprobs, ranks, top_ids, top_logprobs)
 
