@@ -505,6 +505,13 @@ def test_b10_empty_prompt_is_400_and_engine_keeps_serving(server, client):
 def hf_prompt_logprobs(token_ids: list[int]) -> torch.Tensor:
     """Reference: transformers' Llama with the tiny weights; logprob of each prompt token
     after the first, given the ones before it."""
+    logprobs = hf_logprobs(token_ids)
+    return logprobs[torch.arange(len(token_ids) - 1), torch.tensor(token_ids[1:])]
+
+
+def hf_logprobs(token_ids: list[int]) -> torch.Tensor:
+    """``[len(token_ids), vocab]`` float32 log-softmax of transformers' Llama with the tiny
+    weights: row i is the distribution of the token after ``token_ids[: i + 1]``."""
     from transformers import LlamaConfig, LlamaForCausalLM
     c = tiny_chat_config()
     hf_config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
@@ -516,8 +523,7 @@ def hf_prompt_logprobs(token_ids: list[int]) -> torch.Tensor:
     model.load_state_dict(tiny_state_dict(c), strict=False)
     with torch.no_grad():
         logits = model(torch.tensor([token_ids])).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return logprobs[torch.arange(len(token_ids) - 1), torch.tensor(token_ids[1:])]
+    return torch.log_softmax(logits, dim=-1)
 
 
 def test_b11_echo_with_max_tokens_0_returns_prompt(client):
@@ -588,3 +594,30 @@ def test_tokenize_and_detokenize(server):
     assert text == {"prompt": "Hello world"}
     bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]}, headers=headers)
     assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
+
+
+def test_chat_logprobs_equal_transformers(client, reference):
+    messages = [{"role": "user", "content": "Say something."}]
+    prompt = chat_prompt(messages)
+    _, expected_ids, _ = greedy_alone(reference, prompt, 5, ignore_eos=True)
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                              logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = response.choices[0].logprobs.content
+    reference_logprobs = hf_logprobs(prompt["prompt_token_ids"] + expected_ids)
+    num_prompt = len(prompt["prompt_token_ids"])
+    tokenizer = smollm2_tokenizer()
+    for position, (entry, token_id) in enumerate(zip(content, expected_ids, strict=True)):
+        row = reference_logprobs[num_prompt - 1 + position]
+        assert entry.token == tokenizer.decode([token_id])
+        assert entry.logprob == pytest.approx(row[token_id].item(), abs=1e-4)
+        top_values, top_ids = row.topk(2)
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([int(i)]) for i in top_ids]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top_values.tolist(), abs=1e-4)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True,
+                                            extra_body={"ignore_eos": True})
+    streamed = [entry for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+    # the second run reads the prompt's KV from the prefix cache: equal up to float rounding
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)

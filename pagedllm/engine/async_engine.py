@@ -341,13 +341,17 @@ class AsyncLLMEngine:
                 "and was aborted")))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        # One wake-up of each event loop per step, not one per request.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for output in outputs:
             entry = self._entries.get(output.request_id)
             if entry is None:
                 continue
             if output.finished:
                 del self._entries[output.request_id]
-            _call_soon(entry.loop, entry.stream.put, output)
+            batches.setdefault(entry.loop, []).append((entry.stream, output))
+        for loop, items in batches.items():
+            _call_soon(loop, _put_all, items)
 
     def _die(self, exc: BaseException) -> None:
         self.dead_error = exc
@@ -364,6 +368,11 @@ class AsyncLLMEngine:
                 return
             if isinstance(command, _Add):
                 _call_soon(command.loop, _resolve, command.ack, error)
+
+
+def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream.put(output)
 
 
 def _resolve(future: asyncio.Future, error: Optional[BaseException]) -> None:
