@@ -35,10 +35,10 @@ def openai_client(server: InThreadServer) -> openai.OpenAI:
 
 
 def test_full_waiting_queue_answers_429_with_retry_after():
-    engine = slowed(make_tiny_engine(max_num_seqs=1), 0.01)
+    engine = slowed(make_tiny_engine(max_num_seqs=1), 0.03)  # the running request lasts >= 3.6 s
     with InThreadServer(engine, max_waiting_requests=2) as server:
         client = openai_client(server)
-        body = dict(model=MODEL, max_tokens=100, stream=True)
+        body = dict(model=MODEL, max_tokens=120, stream=True)
         running = client.completions.create(prompt=[1, 2, 3], **body)
         wait_for_metrics(server.url, lambda v: v["pagedllm:num_requests_running"] == 1)
         waiting = [client.completions.create(prompt=[4, 5, 6], **body) for _ in range(2)]
@@ -53,15 +53,15 @@ def test_full_waiting_queue_answers_429_with_retry_after():
 
 
 def test_request_timeout_aborts_and_frees_blocks():
-    engine = slowed(make_tiny_engine(), 0.02)
+    engine = slowed(make_tiny_engine(), 0.03)
     with InThreadServer(engine, request_timeout=0.5) as server:
         started = time.monotonic()
-        response = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 100}, timeout=30)
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 120}, timeout=30)
         assert response.status_code == 504
         assert "request timeout of 0.5 s" in response.json()["error"]["message"]
-        assert time.monotonic() - started < 100 * 0.02  # aborted long before it could finish
+        assert time.monotonic() - started < 120 * 0.03  # aborted long before it could finish
         with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
-                          json={"prompt": [1, 2, 3], "max_tokens": 100, "stream": True}) as stream:
+                          json={"prompt": [1, 2, 3], "max_tokens": 120, "stream": True}) as stream:
             events = sse_events(stream.iter_lines())
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 504
         assert all(choice["finish_reason"] is None for event in events[:-2] for choice in event["choices"])
