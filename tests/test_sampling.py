@@ -101,6 +101,24 @@ def test_sampling_frequencies_match_filtered_softmax(temperature, top_k, top_p, 
             assert abs(count / draws - p) <= 5 * math.sqrt(p * (1 - p) / draws) + 1e-9, (token, count / draws, p)
 
 
+def test_windowed_top_k_top_p_equals_full_sort():
+    """The fast path (``topk`` window of TOP_P_CANDIDATES tokens, fallback for flat rows)
+    masks exactly what a full sort of the vocabulary masks."""
+    from pagedllm.worker.sampler import TOP_P_CANDIDATES, _top_k_top_p_by_sort, apply_top_k_top_p
+    generator = torch.Generator().manual_seed(2)
+    vocab, rows = 4 * TOP_P_CANDIDATES, 8
+    # Peaked rows (nucleus inside the window) and flat rows (it is not).
+    scale = torch.tensor([8.0, 6.0, 0.1, 0.5, 8.0, 0.1, 6.0, 3.0]).unsqueeze(1)
+    logits = torch.randn(rows, vocab, generator=generator) * scale
+    top_p = torch.tensor([0.9, 0.5, 0.9, 0.99, 1.0, 0.3, 0.95, 0.8])
+    top_k = torch.tensor([vocab, 10, vocab, 3 * TOP_P_CANDIDATES, 50, vocab, TOP_P_CANDIDATES, 2])
+    for k, p in ((None, top_p), (top_k, top_p), (top_k, None)):
+        fast = apply_top_k_top_p(logits, k, p)
+        reference = _top_k_top_p_by_sort(logits, k, p)
+        assert torch.equal(torch.isinf(fast), torch.isinf(reference))
+        assert torch.equal(fast[~torch.isinf(fast)], logits[~torch.isinf(fast)])
+
+
 # ----------------------------------------------------------------------------- penalties
 def _reference_penalties(logits: list[float], prompt: list[int], output: list[int],
                          presence: float, frequency: float, repetition: float) -> list[float]:

@@ -8,10 +8,12 @@ One step's rows go through, as tensor ops over ``[rows, vocab]``:
 3. ``logit_bias``;
 4. repetition, frequency and presence penalties (``vllm/model_executor/layers/utils.py``
    ``apply_penalties``);
-5. greedy rows take the argmax here; the others: temperature, min-p, top-k/top-p, then a
-   draw by the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``, equivalent to Gumbel-max,
-   as vLLM's ``TopKTopPSampler``). A row with a seed draws its noise from its own
-   ``torch.Generator``, so its samples do not depend on what else runs in the batch.
+5. greedy rows take the argmax here; the others: temperature, min-p, top-k/top-p, then an
+   inverse-CDF draw: one uniform number per row, looked up in the row's cumulative
+   distribution. (vLLM's ``TopKTopPSampler`` races exponentials instead, one random number
+   per vocabulary entry: on a CPU that costs more than the softmax.) A row with a seed draws
+   its number from its own ``torch.Generator``, so its samples do not depend on what else
+   runs in the batch, and a preempted request continues the same stream.
 
 The only per-row Python work is gathering each row's parameters and token lists into index
 tensors; nothing loops over the vocabulary.
@@ -212,12 +214,11 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: torch.Tensor, output
     rows, vocab = logits.shape
     output_counts = _bin_counts(output_token_ids, rows, vocab)
     output_mask = output_counts > 0
-    seen = _bin_counts(prompt_token_ids, rows, vocab) > 0
+    seen = torch.zeros((rows, vocab + 1), dtype=torch.bool).scatter_(1, prompt_token_ids, True)[:, :vocab]
     seen |= output_mask
     penalty = torch.where(seen, repetition_penalties.unsqueeze(1), 1.0)
     logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    logits -= frequency_penalties.unsqueeze(1) * output_counts
-    logits -= presence_penalties.unsqueeze(1) * output_mask
+    logits -= frequency_penalties.unsqueeze(1) * output_counts + presence_penalties.unsqueeze(1) * output_mask
     return logits
 
 
@@ -236,7 +237,13 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
                       top_p: Optional[torch.Tensor]) -> torch.Tensor:
     """Mask (to -inf) the logits outside each row's top-k set and top-p nucleus
-    (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration", s3.1).
+    (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration", s3.1); top-p is
+    taken over the top-k set, renormalized (vLLM's order).
+
+    A full sort of the vocabulary costs milliseconds per row on a CPU, so only the best
+    ``TOP_P_CANDIDATES`` (or max top-k) tokens are sorted, with ``topk``; a row whose nucleus
+    does not end inside them (a flat distribution) falls back to the full sort. Both give the
+    same mask.
 
     Args:
         logits: ``[rows, vocab]`` fp32 (temperature already applied).
@@ -247,6 +254,45 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
     Returns:
         The masked logits (a new tensor).
     """
+    rows, vocab = logits.shape
+    width = vocab if top_k is None else int(top_k.max())
+    if top_p is not None:
+        width = min(width, TOP_P_CANDIDATES)
+    if width >= vocab:
+        return _top_k_top_p_by_sort(logits, top_k, top_p)
+    values, indices = logits.topk(width, dim=-1)
+    remove = torch.zeros_like(values, dtype=torch.bool)
+    exact = torch.ones(rows, dtype=torch.bool)
+    if top_k is not None:
+        remove |= torch.arange(width).unsqueeze(0) >= top_k.unsqueeze(1)
+    if top_p is not None:
+        kept = values.masked_fill(remove, float("-inf"))
+        k_fits = top_k <= width if top_k is not None else torch.zeros(rows, dtype=torch.bool)
+        no_cut = top_k >= vocab if top_k is not None else torch.ones(rows, dtype=torch.bool)
+        # The nucleus is renormalized over the top-k set when it fits the window, else over
+        # the whole vocabulary (exact only for rows without a k cut).
+        log_norm = torch.where(k_fits, kept.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+        probs = (kept - log_norm.unsqueeze(1)).exp()
+        cumulative = probs.cumsum(dim=-1)
+        remove |= (cumulative - probs) >= top_p.unsqueeze(1)
+        remove[:, 0] = False
+        exact = k_fits | (no_cut & (cumulative[:, -1] >= top_p))
+    masked = torch.full_like(logits, float("-inf"))
+    masked.scatter_(1, indices, values.masked_fill(remove, float("-inf")))
+    if not bool(exact.all()):
+        slow = ~exact
+        masked[slow] = _top_k_top_p_by_sort(logits[slow], top_k[slow] if top_k is not None else None,
+                                            top_p[slow])
+    return masked
+
+
+# Tokens sorted by the fast top-p path; enough for the nucleus of any peaked distribution.
+TOP_P_CANDIDATES = 256
+
+
+def _top_k_top_p_by_sort(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                         top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """``apply_top_k_top_p`` by a full sort of each row."""
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
@@ -315,12 +361,14 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
             scaled = apply_min_p(scaled, meta.min_p)
         if meta.top_k is not None or meta.top_p is not None:
             scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=generator)
+        cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
+        uniform = torch.rand(cdf.shape[0], generator=generator)
         for row, row_generator in (meta.generators or {}).items():
-            noise[row].exponential_(generator=row_generator)
-        sampled = (probs / noise).argmax(dim=-1)
+            uniform[row] = torch.rand((), generator=row_generator)
+        total = cdf[:, -1]
+        # Strictly below the total mass, so that the draw never runs past the last token kept.
+        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+        sampled = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
         token_ids = torch.where(meta.greedy, token_ids, sampled)
     if meta.max_num_logprobs is None:
         # One pass over the vocabulary instead of a full log-softmax: only cumulative_logprob
@@ -333,9 +381,9 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
 
 
 def _bin_counts(token_ids: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
-    """``[rows, len]`` ids padded with ``vocab`` -> ``[rows, vocab]`` int64 occurrence counts."""
-    counts = torch.zeros((rows, vocab + 1), dtype=torch.int64)
-    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids))
+    """``[rows, len]`` ids padded with ``vocab`` -> ``[rows, vocab]`` fp32 occurrence counts."""
+    counts = torch.zeros((rows, vocab + 1), dtype=torch.float32)
+    counts.scatter_add_(1, token_ids, torch.ones(token_ids.shape, dtype=torch.float32))
     return counts[:, :vocab]
 
 
