@@ -102,19 +102,17 @@ def test_real_q4_1_tensor_dequantizes_exactly_like_gguf():
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_model_equals_float_model_with_dequantized_weights(method):
-    """quantize_model wires every layer (fused Q/K/V and gate/up, LM head, embedding): the
+    """quantize_model wires every layer (fused Q/K/V and gate/up, o, down): the
     quantized model's logits equal those of the float model given its dequantized weights."""
     config = tiny_config()
     state_dict = tiny_state_dict(config)
     quantized = build_model(config, state_dict, torch.float32, quantization=method)
     reference = build_model(config, state_dict, torch.float32)
-    assert weight_bytes(quantized) < weight_bytes(reference) / (3 if method == "int8" else 4)
+    assert weight_bytes(quantized) < weight_bytes(reference) * (0.8 if method == "int8" else 0.7)
     assert quantized.unquantized_weight_bytes == weight_bytes(reference)
     for name, module in quantized.named_modules():
         if isinstance(module, (Int8Linear, Int4Linear)):
             reference.get_submodule(name).weight.copy_(module.dequantize())
-    embedding = quantized.embed_tokens
-    reference.embed_tokens.weight.copy_(embedding.codes.float() * embedding.scales[:, None])
 
     ids = torch.arange(1, 33)  # 32 rows: the dequantize-then-matmul path, fp32 throughout
 

@@ -230,30 +230,13 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
-class Int8Embedding(nn.Module):
-    """Token embedding stored as per-row int8 (``[V, H]`` codes, ``[V]`` fp32 scales).
-
-    The rows of an embedding are the output channels of a tied LM head, so an ``Int8Linear``
-    can share these tensors. ``forward`` maps ``[T]`` int64 ids to ``[T, H]`` in ``dtype``.
-    """
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.register_buffer("codes", codes)
-        self.register_buffer("scales", scales)
-        self.dtype = dtype
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return (self.codes[input_ids].float() * self.scales[input_ids, None]).to(self.dtype)
-
-
 def quantize_model(model: nn.Module, method: str,
                    prequantized: Optional[dict[str, Int4Weight]] = None) -> None:
-    """Replace every linear layer of a loaded Llama-family model by its quantized form, in place.
+    """Replace every linear layer of the decoder layers by its quantized form, in place.
 
-    The token embedding becomes ``Int8Embedding`` in both methods (a lookup reads one row, so
-    int8 costs nothing in speed and is near lossless). ``int8`` shares those tensors with a
-    tied LM head; ``int4`` quantizes the head separately.
+    The token embedding and the LM head stay in the compute dtype, as in vLLM: with them in
+    per-row int8 the int4 SmolLM2 no longer answers "What is the capital of France?" with
+    Paris (its logits moved 2.7% against 0.3% from the int4 layers alone).
 
     Args:
         model: a ``LlamaForCausalLM`` (or subclass) with weights installed.
@@ -270,14 +253,12 @@ def quantize_model(model: nn.Module, method: str,
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
     prequantized = prequantized or {}
     model.unquantized_weight_bytes = weight_bytes(model)
-    embed_codes, embed_scales = quantize_int8(model.embed_tokens.weight)
-    tied = model.lm_head.weight is model.embed_tokens.weight
 
     def convert(linear: nn.Linear, hf_parts: list[str]) -> nn.Module:
         if method == "int8":
             return Int8Linear.from_float(linear.weight, linear.bias)
         parts = [prequantized.get(name) for name in hf_parts]
-        if hf_parts and all(p is not None for p in parts):
+        if all(p is not None for p in parts):
             return Int4Linear(Int4Weight.cat(parts), linear.bias)
         return Int4Linear.from_float(linear.weight, linear.bias)
 
@@ -288,11 +269,6 @@ def quantize_model(model: nn.Module, method: str,
         attn.o_proj = convert(attn.o_proj, [p + "self_attn.o_proj.weight"])
         mlp.gate_up_proj = convert(mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
         mlp.down_proj = convert(mlp.down_proj, [p + "mlp.down_proj.weight"])
-    if tied and method == "int8":
-        model.lm_head = Int8Linear(embed_codes, embed_scales, None)
-    else:
-        model.lm_head = convert(model.lm_head, [] if tied else ["lm_head.weight"])
-    model.embed_tokens = Int8Embedding(embed_codes, embed_scales, model.dtype)
     model.quantization = method
 
 
