@@ -260,6 +260,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "batches of 16 and print the throughput ratio")
     parser.add_argument("--repeats", type=int, default=1,
                         help="alternate the systems this many times and report medians (default 1)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for both systems (default: torch's, one per core)")
     parser.add_argument("--no-single-stream", dest="single_stream", action="store_false",
                         help="skip the single-stream decode measurement (256-token prompt, 128 new tokens)")
 
@@ -274,6 +276,10 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
 
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     llm = LLM(**engine_kwargs)
     workload = build_workload(llm.get_tokenizer(), args.num_requests, args.workload_seed)
     run_benchmark(llm, workload, args.repeats, args.baseline, engine_kwargs.get("model"), args.single_stream)

@@ -31,27 +31,16 @@ namespace {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
-template <typename T>
-inline float dot(const float* __restrict__ q, const T* __restrict__ k, int64_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += q[i] * to_float(k[i]);
-  return acc;
-}
-
-template <typename T>
-inline void axpy(float a, const T* __restrict__ x, float* __restrict__ y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * to_float(x[i]);
-}
-
-template <typename T>
+// kHeadDim > 0 fixes head_dim at compile time: the per-token loops then unroll fully and a
+// head's q and output accumulator stay in vector registers (measured ~2x on the decode step
+// against the runtime-length loops). kHeadDim == 0 is the generic path for other sizes.
+template <typename T, int kHeadDim>
 void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                       const at::Tensor& value_cache, const at::Tensor& block_tables,
                       const at::Tensor& context_lens, float scale) {
   const int64_t num_seqs = query.size(0);
   const int64_t num_heads = query.size(1);
-  const int64_t head_dim = query.size(2);
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
   const int64_t num_blocks = key_cache.size(0);
   const int64_t block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2);
@@ -69,72 +58,85 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   T* out_base = out.data_ptr<T>();
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_f(group * head_dim);
-    std::vector<float> acc(group * head_dim);
+    std::vector<float> q_f(head_dim);
+    std::vector<float> acc(head_dim);
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads;
       const int64_t kv_head = item % num_kv_heads;
       const int64_t context_len = lens[seq];
       TORCH_CHECK_VALUE(context_len >= 1 && context_len <= max_blocks * block_size,
-                  "context_lens[", seq, "] = ", context_len, " must be in [1, ",
-                  max_blocks * block_size, "] (max_blocks x block_size)");
+                        "context_lens[", seq, "] = ", context_len, " must be in [1, ",
+                        max_blocks * block_size, "] (max_blocks x block_size)");
       const int64_t* table = tables + seq * max_blocks;
       const int64_t used_blocks = (context_len + block_size - 1) / block_size;
       for (int64_t b = 0; b < used_blocks; ++b) {
         TORCH_CHECK_VALUE(table[b] >= 0 && table[b] < num_blocks, "block_tables[", seq, ", ", b,
-                    "] = ", table[b], " is outside [0, ", num_blocks, ")");
+                          "] = ", table[b], " is outside [0, ", num_blocks, ")");
       }
+      scores.resize(context_len);
+      // One query head at a time: its K/V rows were just read for the previous head of the
+      // group and come from cache, while q and the accumulator live in registers.
       for (int64_t g = 0; g < group; ++g) {
-        const T* q = q_base + seq * q_seq_stride + (kv_head * group + g) * q_head_stride;
-        for (int64_t d = 0; d < head_dim; ++d) q_f[g * head_dim + d] = to_float(q[d]) * scale;
-      }
-      scores.resize(group * context_len);
+        const int64_t head = kv_head * group + g;
+        const T* q = q_base + seq * q_seq_stride + head * q_head_stride;
+        float* qf = q_f.data();
+        for (int64_t d = 0; d < head_dim; ++d) qf[d] = to_float(q[d]) * scale;
 
-      // Pass 1: scores of every query head of the group against each cached key.
-      for (int64_t b = 0; b < used_blocks; ++b) {
-        const int64_t first = b * block_size;
-        const int64_t count = std::min(block_size, context_len - first);
-        const T* k_block = k_base + table[b] * block_size * token_stride + kv_head * head_dim;
-        for (int64_t slot = 0; slot < count; ++slot) {
-          const T* k = k_block + slot * token_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            scores[g * context_len + first + slot] = dot(q_f.data() + g * head_dim, k, head_dim);
+        float max_score = -std::numeric_limits<float>::infinity();
+        for (int64_t b = 0; b < used_blocks; ++b) {
+          const int64_t first = b * block_size;
+          const int64_t count = std::min(block_size, context_len - first);
+          const T* k_block = k_base + table[b] * block_size * token_stride + kv_head * head_dim;
+          for (int64_t slot = 0; slot < count; ++slot) {
+            const T* k = k_block + slot * token_stride;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qf[d] * to_float(k[d]);
+            scores[first + slot] = dot;
+            max_score = std::max(max_score, dot);
           }
         }
-      }
-      // Softmax per head (max-subtracted, as torch's softmax).
-      std::vector<float> inv_sum(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * context_len;
-        float max_score = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < context_len; ++t) max_score = std::max(max_score, s[t]);
+        // Max-subtracted softmax, as torch's.
         float sum = 0.f;
         for (int64_t t = 0; t < context_len; ++t) {
-          s[t] = std::exp(s[t] - max_score);
-          sum += s[t];
+          scores[t] = std::exp(scores[t] - max_score);
+          sum += scores[t];
         }
-        inv_sum[g] = 1.f / sum;
-      }
-      // Pass 2: probability-weighted sum of the values.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0; b < used_blocks; ++b) {
-        const int64_t first = b * block_size;
-        const int64_t count = std::min(block_size, context_len - first);
-        const T* v_block = v_base + table[b] * block_size * token_stride + kv_head * head_dim;
-        for (int64_t slot = 0; slot < count; ++slot) {
-          const T* v = v_block + slot * token_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            axpy(scores[g * context_len + first + slot], v, acc.data() + g * head_dim, head_dim);
+
+        float* a = acc.data();
+        for (int64_t d = 0; d < head_dim; ++d) a[d] = 0.f;
+        for (int64_t b = 0; b < used_blocks; ++b) {
+          const int64_t first = b * block_size;
+          const int64_t count = std::min(block_size, context_len - first);
+          const T* v_block = v_base + table[b] * block_size * token_stride + kv_head * head_dim;
+          for (int64_t slot = 0; slot < count; ++slot) {
+            const T* v = v_block + slot * token_stride;
+            const float p = scores[first + slot];
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
           }
         }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* o = out_base + (seq * num_heads + kv_head * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d] * inv_sum[g]);
+        const float inv_sum = 1.f / sum;
+        T* o = out_base + (seq * num_heads + head) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(a[d] * inv_sum);
       }
     }
   });
+}
+
+template <typename T>
+void dispatch_head_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& block_tables,
+                       const at::Tensor& context_lens, float scale) {
+  switch (query.size(2)) {
+    case 64:
+      return decode_attention<T, 64>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
+    case 128:
+      return decode_attention<T, 128>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
+    default:
+      return decode_attention<T, 0>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
+  }
 }
 
 // Shapes and dtypes are validated by the Python wrapper; only what would corrupt memory is
@@ -158,9 +160,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   if (query.size(0) == 0) return out;
   if (query.scalar_type() == at::kFloat) {
-    decode_attention<float>(out, query, key_cache, value_cache, block_tables, context_lens, static_cast<float>(scale));
+    dispatch_head_dim<float>(out, query, key_cache, value_cache, block_tables, context_lens, static_cast<float>(scale));
   } else if (query.scalar_type() == at::kBFloat16) {
-    decode_attention<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens,
+    dispatch_head_dim<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens,
                                     static_cast<float>(scale));
   } else {
     TORCH_CHECK_VALUE(false, "paged_decode_attention supports float32 and bfloat16, got ", query.scalar_type());

@@ -1,0 +1,116 @@
+"""Where one engine step spends its time: a decode step and a prefill step at batch 1, 16, 64.
+
+    python bench/profile_step.py [--dtype float32] [--context 300] [--repeats 5]
+
+Decode at batch B: B sequences each with ``--context`` tokens in the KV cache compute one
+token. Prefill at batch B: B prompts of ``min(512, 2048 // B)`` tokens each (one step of the
+default 2048-token budget). The KV contents are zeros: attention costs depend on lengths only.
+Every step is timed without the profiler (median of ``--repeats``), then once under
+``torch.profiler`` to split its time into categories of ATen ops; "python + other" is the
+step's wall time that no ATen op accounts for (list building, tensor creation, dispatch).
+The results are written into bench/README.md by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.request import Request
+
+CATEGORIES = [
+    ("attention (decode kernel)", ("pagedllm::",)),
+    ("attention (sdpa)", ("aten::scaled_dot_product", "aten::_scaled_dot_product")),
+    ("kv write + gathers", ("aten::index_copy", "aten::index", "aten::repeat_interleave", "aten::masked_fill")),
+    ("linear layers", ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul")),
+    ("sampling", ("aten::argmax", "aten::sort", "aten::topk", "aten::softmax", "aten::log_softmax",
+                  "aten::exponential", "aten::gather")),
+]
+
+
+def categorize(name: str) -> str:
+    for category, prefixes in CATEGORIES:
+        if name.startswith(prefixes):
+            return category
+    return "elementwise (norm, rope, silu, residual, casts)"
+
+
+def make_batch(llm: LLM, num_seqs: int, num_cached: int, num_new: int):
+    """``(scheduled, block_tables)`` for sequences with ``num_cached`` tokens already cached."""
+    engine = llm.llm_engine
+    block_size = engine.args.block_size
+    blocks_per_seq = -(-(num_cached + num_new) // block_size)
+    scheduled, tables = [], {}
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for i in range(num_seqs):
+        request = Request(f"p{i}", [(7 * i + j) % 1000 + 1 for j in range(num_cached + num_new)], params,
+                          max_tokens=1, eos_token_id=None)
+        request.num_computed_tokens = num_cached
+        scheduled.append((request, num_new))
+        tables[request.request_id] = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+    if num_seqs * blocks_per_seq > engine.num_blocks:
+        raise ValueError(f"the batch needs {num_seqs * blocks_per_seq} blocks, the cache has {engine.num_blocks}")
+    return scheduled, tables
+
+
+def time_step(runner, scheduled, tables, repeats: int) -> float:
+    runner.execute_model(scheduled, tables)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.execute_model(scheduled, tables)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def profile_step(runner, scheduled, tables) -> tuple[float, dict[str, float]]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("step"):
+            runner.execute_model(scheduled, tables)
+    wall = 0.0
+    per_category: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if event.key == "step":
+            wall = event.cpu_time_total / 1e6
+        elif event.key.startswith(("aten::", "pagedllm::")):
+            per_category[categorize(event.key)] += event.self_cpu_time_total / 1e6
+    per_category["python + other"] = wall - sum(per_category.values())
+    return wall, per_category
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--context", type=int, default=300, help="cached tokens per decode sequence")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    llm = LLM(dtype=args.dtype, kv_cache_memory_bytes=1 << 30, max_model_len=2048, max_num_seqs=64)
+    runner = llm.llm_engine.model_runner
+    print(f"dtype {llm.llm_engine.model.dtype}, {torch.get_num_threads()} threads")
+    for kind in ("decode", "prefill"):
+        for batch in args.batches:
+            if kind == "decode":
+                scheduled, tables = make_batch(llm, batch, args.context, 1)
+            else:
+                scheduled, tables = make_batch(llm, batch, 0, min(512, 2048 // batch))
+            tokens = sum(n for _, n in scheduled)
+            median = time_step(runner, scheduled, tables, args.repeats)
+            wall, parts = profile_step(runner, scheduled, tables)
+            shares = ", ".join(f"{name} {100 * t / wall:.0f}%" for name, t in
+                               sorted(parts.items(), key=lambda kv: -kv[1]))
+            print(f"{kind:7} batch {batch:3} ({tokens:4} tokens): {median * 1000:8.1f} ms/step, "
+                  f"{tokens / median:7.1f} tokens/s | {shares}")
+
+
+if __name__ == "__main__":
+    main()
