@@ -62,7 +62,7 @@ def test_int4_matmul_matches_dequantized_reference(rows, out_features):
     reference = F.linear(x.double(), layer.dequantize().double(), bias.double())
     y = layer(x)
     assert y.shape == (rows, out_features)
-    tolerance = 2 ** -7 * reference.abs().max().item() if rows <= KERNEL_MAX_ROWS else 1e-5
+    tolerance = 2 ** -7 * reference.abs().max().item()  # the kernel rounds x and y to bf16
     assert (y.double() - reference).abs().max().item() <= tolerance
 
 
@@ -114,7 +114,7 @@ def test_quantized_model_equals_float_model_with_dequantized_weights(method):
         if isinstance(module, (Int8Linear, Int4Linear)):
             reference.get_submodule(name).weight.copy_(module.dequantize())
 
-    ids = torch.arange(1, 33)  # 32 rows: the dequantize-then-matmul path, fp32 throughout
+    ids = torch.arange(1, 33)  # 32 rows: int8 dequantizes (fp32); int4 runs its bf16 kernel
 
     def logits(model):
         runner = ModelRunner(model, num_blocks=8, block_size=4)
@@ -122,7 +122,15 @@ def test_quantized_model_equals_float_model_with_dequantized_weights(method):
                                      prefills=[PrefillSequence(0, 32, 32, torch.arange(8))])
         return model.compute_logits(model(ids, torch.arange(32), runner.kv_caches, metadata))
 
-    torch.testing.assert_close(logits(quantized), logits(reference), rtol=1e-4, atol=1e-4)
+    ours, expected = logits(quantized), logits(reference)
+    if method == "int8":
+        torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+    else:
+        # The kernel rounds each layer's input and output to bf16 (2^-8 relative each), 8
+        # layers deep in a random model: 2.4% of the logits' norm measured; a wiring error
+        # (wrong rows or fused part) moves them by about 100%.
+        relative = (ours - expected).norm(dim=-1) / expected.norm(dim=-1)
+        assert relative.max().item() < 0.05, relative.max().item()
 
 
 def test_quantization_option_is_validated():
