@@ -93,7 +93,8 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+        python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(self.port), *args],
@@ -621,3 +622,18 @@ def test_chat_logprobs_equal_transformers(client, reference):
     # the second run reads the prompt's KV from the prefix cache: equal up to float rounding
     assert [e.token for e in streamed] == [e.token for e in content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+
+
+def test_stop_string_over_http_stream_and_not(client, reference):
+    prompt = "The quick brown fox"
+    full, _, _ = greedy_alone(reference, prompt, 12, ignore_eos=True)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    expected_text, _, expected_finish = greedy_alone(reference, prompt, 12, ignore_eos=True, stop=[stop])
+    assert expected_finish == "stop" and expected_text == full[:full.index(stop)]
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                         extra_body={"ignore_eos": True})
+    choice = response.choices[0]
+    assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (expected_text, "stop", stop)
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stop,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert "".join(chunk.choices[0].text for chunk in stream) == expected_text
