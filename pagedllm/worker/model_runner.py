@@ -5,6 +5,8 @@ Mechanism only: the scheduler has decided who runs and how many tokens each comp
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -78,6 +80,7 @@ class ModelRunner:
         self.kv_caches = [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype))
                           for _ in range(config.num_hidden_layers)]
         self.generator = torch.Generator().manual_seed(seed)
+        _keep_freed_memory_mapped()
 
     @torch.inference_mode()
     def execute_model(self, scheduled: Sequence[tuple[Request, int]],
@@ -237,3 +240,24 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel *= dim
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+@functools.lru_cache(maxsize=1)
+def _keep_freed_memory_mapped() -> None:
+    """Make glibc malloc reuse freed activation memory instead of returning it to the OS.
+
+    By default glibc serves allocations above a (dynamic) threshold with fresh ``mmap``s and
+    unmaps them on free, so every large activation of every step page-faults anew and the
+    kernel zeroes it: measured on a 2048-token prefill step of SmolLM2 (fp32, 1 thread)
+    ~370k page faults and ~1.3 s of the step's 5.9 s CPU time, gone with these settings.
+    (vLLM's CPU backend preloads tcmalloc for the same reason.) Tensors above 32 MiB (glibc's
+    cap on the threshold), such as the KV cache, still get their own lazily mapped pages.
+    A no-op where the C library has no ``mallopt``.
+    """
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own C library
+    if mallopt is None:
+        return
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    mallopt(m_mmap_threshold, 32 * 2**20)
+    mallopt(m_trim_threshold, 2**30)
+    mallopt(m_top_pad, 64 * 2**20)
