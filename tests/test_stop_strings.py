@@ -141,7 +141,7 @@ def test_b26_logprobs_match_transformers(engine, hf_model):
 def test_b28_batching_does_not_change_greedy_output(smollm2_llm_fp32):
     subjects = ["cats", "the sea", "winter", "a robot", "coffee", "mountains", "the moon", "trains",
                 "music", "rain", "a library", "bees", "chess", "volcanoes", "bread", "owls", "rivers",
-                "a lighthouse", "snow"]
+                "a lighthouse", "snow", "deserts"]
     prompts = [f"Write one sentence about {subject}:" for subject in subjects]
     params = SamplingParams(max_tokens=4, **GREEDY)
     together = smollm2_llm_fp32.generate(prompts, params, use_tqdm=False)
