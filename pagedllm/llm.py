@@ -96,11 +96,18 @@ class LLM:
 
         Args:
             messages: one conversation (a list of ``{"role", "content"}``) or a list of them.
+                A message without ``content`` renders as empty text, as the server does.
 
         Returns:
             One ``RequestOutput`` per conversation.
+
+        Raises:
+            ValueError: no conversation, an empty one, or a message that is not a dict with a
+                string ``role``.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not messages:
+            raise ValueError("messages is empty: give at least one {'role', 'content'} message")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.encode_chat(conv, add_generation_prompt,
                                                          continue_final_message)}
                    for conv in conversations]
@@ -108,7 +115,17 @@ class LLM:
 
     def encode_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False) -> list[int]:
-        """Token ids of a conversation through the chat template (special tokens added once)."""
+        """Token ids of a conversation through the chat template (special tokens added once).
+
+        Raises:
+            ValueError: an empty conversation or a malformed message.
+        """
+        if not conversation:
+            raise ValueError("a conversation is empty: give at least one {'role', 'content'} message")
+        for index, message in enumerate(conversation):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ValueError(f"message {index} must be a dict with a string 'role', got {message!r}")
+        conversation = [{**m, "content": m.get("content") or ""} for m in conversation]
         tokenizer = self.llm_engine.tokenizer
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,

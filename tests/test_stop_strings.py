@@ -177,3 +177,19 @@ def test_chat_renders_template_once(smollm2_llm_fp32):
     direct = smollm2_llm_fp32.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=3, **GREEDY),
                                        use_tqdm=False)[0]
     assert output.outputs[0].token_ids == direct.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([], "messages is empty"),
+    ([[]], "a conversation is empty"),
+    ([{"content": "hi"}], "message 0 must be a dict with a string 'role'"),
+    (["hello"], "message 0 must be a dict"),
+])
+def test_chat_rejects_malformed_conversations(smollm2_llm_fp32, messages, message):
+    with pytest.raises(ValueError, match=message):
+        smollm2_llm_fp32.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_chat_message_without_content_renders_as_empty_text(smollm2_llm_fp32):
+    bare = smollm2_llm_fp32.encode_chat([{"role": "user"}])
+    assert bare == smollm2_llm_fp32.encode_chat([{"role": "user", "content": ""}])
