@@ -5,16 +5,19 @@ tiny random llama of conftest (no tokenizer: prompts are token ids)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
 import openai
 import pytest
 
+from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import make_tiny_engine, run_to_completion
-from tests.test_server import MODEL, InThreadServer, idle, scrape, sse_events, wait_for_metrics
+from tests.test_server import (MODEL, InThreadServer, idle, scrape, smollm2_tokenizer, sse_events,
+                               tiny_chat_engine, wait_for_metrics)
 
 ABORT = 'pagedllm:request_success_total{finished_reason="abort"}'
 
@@ -148,7 +151,173 @@ def test_b11_max_tokens_null_means_rest_of_context(tiny_server):
     assert response.json()["usage"]["completion_tokens"] == 128 - 5  # make_tiny_engine: max_model_len 128
 
 
+def assert_openai_error(response: httpx.Response, status: int, type: str, message: str,
+                        param=None) -> None:
+    """``response`` is exactly OpenAI's error JSON (no ``detail`` anywhere) with these values."""
+    assert response.status_code == status, response.text
+    assert response.json() == {"error": {"message": message, "type": type, "param": param, "code": status}}
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.mark.parametrize("method, path, body, headers, status, type, message", [
+    ("GET", "/v1/completions", None, None, 405, "MethodNotAllowedError",
+     "method GET is not allowed on /v1/completions (allowed: POST)"),
+    ("DELETE", "/health", None, None, 405, "MethodNotAllowedError",
+     "method DELETE is not allowed on /health (allowed: GET)"),
+    ("GET", "/v1/no-such-path", None, None, 404, "NotFoundError", "no such endpoint: GET /v1/no-such-path"),
+    ("POST", "/v1/completions", b'{"model":', JSON, 400, "BadRequestError",
+     "the request body is not valid JSON: Expecting value at character 9"),
+    ("POST", "/v1/chat/completions", b"{not json", JSON, 400, "BadRequestError",
+     "the request body is not valid JSON: Expecting property name enclosed in double quotes at character 1"),
+    ("POST", "/v1/completions", b"[" * 100_000, JSON, 400, "BadRequestError",
+     "the request body is not valid JSON: it is nested too deeply"),
+    ("POST", "/v1/completions", b'{"prompt": "\xff"}', JSON, 400, "BadRequestError",
+     "the request body is not valid JSON: byte 12 is not valid UTF-8"),
+    ("POST", "/v1/completions", b"[1]", JSON, 400, "BadRequestError",
+     "the request body must be a JSON object (sent with Content-Type: application/json), got [1]"),
+    ("POST", "/v1/completions", b'{"prompt": [1]}', {"Content-Type": "application/x-www-form-urlencoded"}, 400,
+     "BadRequestError", "the request body must be a JSON object (sent with Content-Type: application/json), "
+                        "got '{\"prompt\": [1]}'"),
+])
+def test_framework_errors_are_openai_json(tiny_server, method, path, body, headers, status, type, message):
+    response = httpx.request(method, tiny_server.url + path, content=body, headers=headers, timeout=30)
+    assert_openai_error(response, status, type, message)
+    assert response.headers["content-type"] == "application/json"
+    if status == 405:
+        assert response.headers["Allow"] == message.rsplit("allowed: ", 1)[1].rstrip(")")
+
+
+def test_surrogate_echoed_in_an_error_keeps_the_response_valid_json(tiny_server):
+    # "\ud800" is valid JSON but not UTF-8: echoing it in the message must not break the response
+    response = httpx.post(tiny_server.url + "/v1/completions", headers=JSON,
+                          content=b'{"model": "x\\ud800", "prompt": [1]}')
+    assert_openai_error(response, 404, "NotFoundError",
+                        "The model `x\ud800` does not exist; this server serves ['tiny']", "model")
+
+
+SURROGATE = "prompt is not valid UTF-8 text: character 0 is the lone surrogate '\\ud800'"
+
+
+@pytest.mark.parametrize("path, body, message, param", [
+    ("/v1/completions", {"prompt": "\ud800 abc", "max_tokens": 2}, SURROGATE, None),
+    ("/v1/completions", {"prompt": ["fine", "\ud800 abc"], "max_tokens": 2}, SURROGATE, None),
+    ("/v1/completions", {"prompt": "\ud800 abc", "max_tokens": 2, "stream": True}, SURROGATE, None),
+    ("/tokenize", {"prompt": "\ud800 abc"}, SURROGATE, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800 abc"}]},
+     "messages[0].content is not valid UTF-8 text: character 3 is the lone surrogate '\\ud800'",
+     "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "ok"}, {"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "\udfff"}]}]},
+     "messages[1].content is not valid UTF-8 text: character 2 is the lone surrogate '\\udfff'",
+     "messages.1.content"),
+    ("/tokenize", {"messages": [{"role": "us\udc80er", "content": "hi"}]},
+     "messages[0].role is not valid UTF-8 text: character 2 is the lone surrogate '\\udc80'", "messages.0.role"),
+])
+def test_lone_surrogate_text_is_a_clean_400(chat_server, path, body, message, param):
+    response = httpx.post(chat_server.url + path, headers=JSON, timeout=30,
+                          content=json.dumps(body).encode())  # json.dumps escapes the surrogate
+    assert_openai_error(response, 400, "BadRequestError", message, param)
+    ok = httpx.post(chat_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert ok.json()["usage"]["completion_tokens"] == 2
+    wait_for_metrics(chat_server.url, idle)
+
+
+def test_engine_refuses_text_that_is_not_utf8_naming_the_position():
+    engine = make_tiny_engine()  # no tokenizer: the text is refused before that matters
+    with pytest.raises(ValueError, match=r"^prompt is not valid UTF-8 text: character 4 is the lone "
+                                         r"surrogate '\\udbff'$"):
+        engine.add_request("x", "abc \udbff", SamplingParams(max_tokens=1))
+    assert not engine.has_unfinished_requests()
+
+
+def test_unexpected_add_error_is_400_without_a_python_repr():
+    engine = make_tiny_engine()
+
+    def broken_add_request(*args, **kwargs):
+        raise TypeError("TextEncodeInput must be a str")
+    engine.add_request = broken_add_request
+    with InThreadServer(engine) as server:
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": [1]}, timeout=30)
+    assert_openai_error(response, 400, "BadRequestError",
+                        "the request could not be added: TextEncodeInput must be a str")
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": [1], "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
+])
+@pytest.mark.parametrize("stream_options", [{"include_usage": True}, {}])
+def test_stream_options_need_stream_true(tiny_server, path, body, stream_options):
+    for stream in ({}, {"stream": False}):
+        response = httpx.post(tiny_server.url + path, json={**body, **stream, "stream_options": stream_options},
+                              timeout=30)
+        assert_openai_error(response, 400, "BadRequestError",
+                            "Stream options can only be defined when `stream=True`.", "stream_options")
+
+
+def test_stream_options_with_stream_true_still_work(tiny_server):
+    with httpx.stream("POST", tiny_server.url + "/v1/completions", timeout=30, json={
+            "prompt": [1, 2], "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}) as stream:
+        events = sse_events(stream.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+
+
+COMPLETION_INTS = ["max_tokens", "n", "logprobs", "seed", "top_k", "min_tokens", "best_of", "prompt_logprobs"]
+CHAT_INTS = ["max_tokens", "max_completion_tokens", "n", "top_logprobs", "seed", "top_k", "min_tokens"]
+
+
+@pytest.mark.parametrize("path, field", [("/v1/completions", f) for f in COMPLETION_INTS]
+                         + [("/v1/chat/completions", f) for f in CHAT_INTS])
+@pytest.mark.parametrize("value, shown", [("5", '"5"'), (True, "true"), (False, "false"), (5.0, "5.0"),
+                                          ([5], "[5]")])
+def test_integer_fields_take_json_integers_only(tiny_server, path, field, value, shown):
+    body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": [1]}
+    response = httpx.post(tiny_server.url + path, json={**body, field: value}, timeout=30)
+    assert_openai_error(response, 400, "BadRequestError", f"{field}: Input should be a valid integer (got {shown})",
+                        field)
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"prompt": [True, 2]}, "prompt.list[int].0", "Input should be a valid integer (got true)"),
+    ({"prompt": [1], "stop_token_ids": ["7"]}, "stop_token_ids.0", 'Input should be a valid integer (got "7")'),
+    ({"prompt": [1], "temperature": "0.5"}, "temperature", 'Input should be a valid number (got "0.5")'),
+    ({"prompt": [1], "top_p": True}, "top_p", "Input should be a valid number (got true)"),
+    ({"prompt": [1], "logit_bias": {"1": "5"}}, "logit_bias.1", 'Input should be a valid number (got "5")'),
+    ({"prompt": [1], "stream": "true"}, "stream", 'Input should be a valid boolean (got "true")'),
+    ({"prompt": [1], "echo": 1}, "echo", "Input should be a valid boolean (got 1)"),
+    ({"prompt": [1], "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage",
+     'Input should be a valid boolean (got "yes")'),
+])
+def test_number_and_boolean_fields_are_not_coerced(tiny_server, body, param, message):
+    response = httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=30)
+    assert_openai_error(response, 400, "BadRequestError", f"{param}: {message}", param)
+
+
+def test_json_integers_and_numbers_are_still_accepted(tiny_server):
+    body = {"prompt": [1, 2, 3], "max_tokens": 4, "n": 2, "seed": 7, "top_k": 5, "min_tokens": 4, "best_of": 2,
+            "logprobs": 1, "temperature": 1, "top_p": 1, "presence_penalty": 0, "logit_bias": {"3": 1},
+            "stop_token_ids": [0], "echo": False}
+    response = httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert [len(c["logprobs"]["tokens"]) for c in choices] == [4, 4]
+    assert response.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+
+
 @pytest.fixture(scope="module")
 def tiny_server():
     with InThreadServer(make_tiny_engine()) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def chat_server():
+    """The tiny llama with SmolLM2's tokenizer and chat template (text prompts, chat)."""
+    smollm2_tokenizer()
+    args = EngineArgs.from_kwargs(block_size=4, num_gpu_blocks_override=64, max_model_len=128, max_num_seqs=16,
+                                  max_num_batched_tokens=64)
+    with InThreadServer(tiny_chat_engine(args)) as server:
         yield server

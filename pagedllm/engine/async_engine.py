@@ -317,7 +317,7 @@ class AsyncLLMEngine:
                 error = exc
             except Exception as exc:  # noqa: BLE001 - a request must never kill the loop
                 logger.exception("adding request %s failed", command.request_id)
-                error = ValueError(f"the request could not be added: {exc!r}")
+                error = ValueError(f"the request could not be added: {exc or type(exc).__name__}")
         if error is None:
             deadline = None if self.request_timeout is None else command.arrival_time + self.request_timeout
             self._entries[command.request_id] = _Entry(command.stream, command.loop, deadline)

@@ -33,6 +33,16 @@ logger = logging.getLogger(__name__)
 PromptType = Union[str, dict, list]
 
 
+def check_utf8(text: str, what: str = "prompt") -> None:
+    """Raises: ValueError naming the first character with no UTF-8 encoding (a lone surrogate
+    such as ``"\\ud800"``, which JSON can carry but no tokenizer can take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid UTF-8 text: character {exc.start} is the lone "
+                         f"surrogate {text[exc.start]!r}") from None
+
+
 @dataclass
 class ParentRequest:
     """A user request: one prompt and its ``n`` samples (one ``Request`` each)."""
@@ -276,6 +286,7 @@ class LLMEngine:
             return None, list(prompt)
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        check_utf8(prompt)
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer: give prompt_token_ids")
         return prompt, self.tokenizer.encode(prompt)

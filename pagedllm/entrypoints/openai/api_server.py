@@ -5,6 +5,10 @@ Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/hea
 path and ``/tokenize``/``/detokenize`` need ``Authorization: Bearer <key>`` (as vLLM);
 ``/health``, ``/version`` and ``/metrics`` stay open for probes and scrapers.
 
+Every error is OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``, including
+FastAPI's and Starlette's own (404 path, 405 method, a body that is not JSON): never
+``{"detail": ...}``. Validation errors are 400s that name the field and quote the value.
+
 Shutdown (SIGTERM or SIGINT): the server keeps listening but answers new requests and
 ``/health`` with 503, lets open requests run for up to ``--drain-timeout`` seconds, ends the
 rest with a terminal error (an SSE error event, or a 503 JSON body), then exits with status 0.
@@ -16,10 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import json
 import logging
 import os
 import secrets
 import time
+from http import HTTPStatus
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -28,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.config import EngineArgs
@@ -44,6 +51,64 @@ from pagedllm.models.loader import DEFAULT_MODEL_FILE
 logger = logging.getLogger(__name__)
 
 _PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+
+# vLLM's error type names; other statuses get their phrase ("Payload Too Large" -> PayloadTooLargeError)
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                404: "NotFoundError", 405: "MethodNotAllowedError", 422: "BadRequestError",
+                429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def _error_type(status: int) -> str:
+    if status in _ERROR_TYPES:
+        return _ERROR_TYPES[status]
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+    return "".join(word.capitalize() for word in phrase.replace("-", " ").split()) + "Error"
+
+
+def _short_repr(value: object, limit: int = 120) -> str:
+    """``value`` as the client wrote it (JSON), cut to ``limit`` characters."""
+    if isinstance(value, (bytes, bytearray)):  # a body that was not parsed as JSON
+        text = repr(bytes(value[:limit]).decode("utf-8", "replace"))
+        return text if len(value) <= limit else f"{text}... ({len(value)} bytes)"
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _body_parse_error(cause: Optional[BaseException]) -> str:
+    """Why FastAPI could not parse a body that is not a JSONDecodeError (it only says
+    "There was an error parsing the body")."""
+    if isinstance(cause, RecursionError):
+        return "the request body is not valid JSON: it is nested too deeply"
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not valid JSON: byte {cause.start} is not valid UTF-8"
+    return "the request body is not valid JSON: it could not be parsed"
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    """The first pydantic/FastAPI validation error as a 400 that names the field."""
+    error = exc.errors()[0]
+    kind = error.get("type")
+    loc = [part for part in error.get("loc", ()) if part != "body"]
+    if kind == "json_invalid":  # FastAPI puts the character position in loc
+        reason = (error.get("ctx") or {}).get("error") or "malformed"
+        where = f" at character {loc[0]}" if loc else ""
+        return OpenAIError(400, f"the request body is not valid JSON: {reason}{where}")
+    if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
+        return OpenAIError(400, "the request body must be a JSON object (sent with Content-Type: "
+                                f"application/json), got {_short_repr(error.get('input'))}")
+    param = ".".join(str(part) for part in loc) or None
+    msg = str(error.get("msg"))
+    msg = msg.removeprefix("Value error, ")  # a ValueError from a validator: its message is enough
+    message = f"{param}: {msg}" if param else msg
+    if "input" in error and kind != "missing" and kind != "value_error":
+        message += f" (got {_short_repr(error['input'])})"
+    return OpenAIError(400, message, param=param)
 
 
 class _APIKeyMiddleware:
@@ -92,13 +157,24 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        error = exc.errors()[0]
-        location = [str(part) for part in error.get("loc", ()) if part != "body"]
-        param = ".".join(location) or None
-        message = f"{param}: {error.get('msg')}" if param else str(error.get("msg"))
-        if "input" in error and error.get("type") != "missing":
-            message += f" (got {error['input']!r})"
-        return OpenAIError(400, message, param=param).response()
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's and FastAPI's own errors (404 path, 405 method, unparsable body) as
+        OpenAI JSON, never ``{"detail": ...}``."""
+        status = exc.status_code
+        if status == 400 and exc.detail == "There was an error parsing the body":
+            message = _body_parse_error(exc.__cause__)
+        elif status == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif status == 405:
+            allowed = (exc.headers or {}).get("Allow")
+            message = f"method {request.method} is not allowed on {request.url.path}" + (
+                f" (allowed: {allowed})" if allowed else "")
+        else:
+            message = str(exc.detail)
+        return OpenAIError(status, message, _error_type(status), headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
@@ -147,8 +223,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key
         if request.messages is not None:
             _, tokens = chat.render(request.messages, request.add_generation_prompt)
         else:
-            tokenizer = completions.require_tokenizer("tokenize")
-            tokens = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            tokens = completions.encode_text(request.prompt, "prompt",
+                                             add_special_tokens=request.add_special_tokens)
         return {"count": len(tokens), "max_model_len": engine.engine.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")

@@ -5,15 +5,25 @@ the non-OpenAI sampling fields vLLM accepts in the body (``vllm/entrypoints/open
 top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, cache_salt, ...
 Unknown fields are accepted and ignored, as vLLM does. Ranges are checked once, by
 ``SamplingParams``, whose ``ValueError`` names the field, the limit and the value.
+
+JSON types are checked as OpenAI checks them, not as pydantic's lax mode would coerce them:
+an integer field takes JSON integers only (not ``"5"``, ``true`` or ``5.0``), a number field
+takes integers and floats (not strings or booleans), a boolean field takes ``true``/``false``
+only (not ``1`` or ``"yes"``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
 
 from pagedllm.sampling_params import SamplingParams
+
+
+Int = StrictInt
+Float = Annotated[float, Strict()]  # JSON integers are numbers too
+Bool = StrictBool
 
 
 class OpenAIBaseModel(BaseModel):
@@ -21,37 +31,37 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: Optional[bool] = False
+    include_usage: Optional[Bool] = False
 
 
 class _SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
     model: Optional[str] = None
-    n: int = 1
-    stream: bool = False
+    n: Int = 1
+    stream: Bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Optional[dict[str, float]] = None
+    seed: Optional[Int] = None
+    temperature: Optional[Float] = None
+    top_p: Optional[Float] = None
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    logit_bias: Optional[dict[str, Float]] = None
     user: Optional[str] = None
     # vLLM extensions
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    allowed_token_ids: Optional[list[int]] = None
+    top_k: Optional[Int] = None
+    min_p: Optional[Float] = None
+    repetition_penalty: Optional[Float] = None
+    min_tokens: Int = 0
+    ignore_eos: Bool = False
+    stop_token_ids: Optional[list[Int]] = None
+    include_stop_str_in_output: Bool = False
+    skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True
+    allowed_token_ids: Optional[list[Int]] = None
     bad_words: Optional[list[str]] = None
-    prompt_logprobs: Optional[int] = None
+    prompt_logprobs: Optional[Int] = None
     cache_salt: Optional[str] = None
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
@@ -84,11 +94,11 @@ class CompletionRequest(_SamplingFields):
     of token id lists. ``max_tokens`` absent means 16 (OpenAI's default); an explicit null
     means the rest of the context."""
 
-    prompt: Union[list[int], list[list[int]], str, list[str]]
-    max_tokens: Optional[int] = 16
-    echo: bool = False
-    logprobs: Optional[int] = None
-    best_of: Optional[int] = None
+    prompt: Union[list[Int], list[list[Int]], str, list[str]]
+    max_tokens: Optional[Int] = 16
+    echo: Bool = False
+    logprobs: Optional[Int] = None
+    best_of: Optional[Int] = None
     suffix: Optional[str] = None
 
 
@@ -118,15 +128,15 @@ class ChatCompletionRequest(_SamplingFields):
     ``max_tokens``; absent both, the reply may fill the rest of the context."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
-    logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    max_tokens: Optional[Int] = None
+    max_completion_tokens: Optional[Int] = None
+    logprobs: Bool = False
+    top_logprobs: Optional[Int] = None
     tools: Optional[list[Any]] = None
     response_format: Optional[dict[str, Any]] = None
     # vLLM extensions
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -135,12 +145,12 @@ class TokenizeRequest(OpenAIBaseModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: Bool = True
+    add_generation_prompt: Bool = True
 
 
 class DetokenizeRequest(OpenAIBaseModel):
     """``POST /detokenize``."""
 
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[Int]

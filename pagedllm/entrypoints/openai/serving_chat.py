@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import RequestStream
+from pagedllm.engine.llm_engine import check_utf8
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing,
                                                         SSEResponse, close_all, collect_final,
@@ -32,18 +33,25 @@ class OpenAIServingChat(OpenAIServing):
         tokenizer = self.require_tokenizer("chat")
         if not getattr(tokenizer, "chat_template", None):
             raise OpenAIError(400, "this model has no chat template: use /v1/completions")
+        template_messages = [m.as_template_message() for m in messages]
+        for i, message in enumerate(template_messages):
+            for key, value in message.items():
+                try:
+                    check_utf8(value, f"messages[{i}].{key}")
+                except ValueError as exc:
+                    raise OpenAIError(400, str(exc), param=f"messages.{i}.{key}") from exc
         try:
-            text = tokenizer.apply_chat_template([m.as_template_message() for m in messages], tokenize=False,
+            text = tokenizer.apply_chat_template(template_messages, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt,
                                                  continue_final_message=continue_final_message)
         except Exception as exc:  # noqa: BLE001 - jinja raises anything; it is the input's fault
             raise OpenAIError(400, f"the chat template could not render the messages: {exc}",
                               param="messages") from exc
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        return text, self.encode_text(text, "messages", add_special_tokens=False)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         """Raises: OpenAIError (400 bad field or prompt, 404 model, 429, 503, 504)."""
-        self.check_model(request.model)
+        self.check_request(request)
         if request.tools:
             raise OpenAIError(400, "tools are not supported", param="tools")
         if request.response_format and request.response_format.get("type", "text") != "text":

@@ -24,7 +24,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         """Raises: OpenAIError (400 bad field or prompt, 404 model, 429, 503, 504)."""
-        self.check_model(request.model)
+        self.check_request(request)
         if request.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineDrainingError,
                                           QueueFullError, RequestStream, RequestTimeoutError)
-from pagedllm.engine.llm_engine import PromptType
+from pagedllm.engine.llm_engine import PromptType, check_utf8
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -47,14 +47,22 @@ class OpenAIError(Exception):
                           "code": self.status}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _ASCIIJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _ASCIIJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote the request's text, and a lone
+    surrogate in it (valid in JSON, not in UTF-8) must not break the error response itself."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 def to_openai_error(exc: BaseException) -> OpenAIError:
     """Map an engine exception to its HTTP error (anything unexpected is a 500)."""
     if isinstance(exc, OpenAIError):
         return exc
-    if isinstance(exc, ValueError):
+    if isinstance(exc, ValueError):  # the engine's messages name the field and the value
         return OpenAIError(400, str(exc))
     if isinstance(exc, QueueFullError):
         return OpenAIError(429, str(exc), "RateLimitError", headers={"Retry-After": "1"})
@@ -97,6 +105,30 @@ class OpenAIServing:
         if model is not None and model not in self.served_model_names:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                                    f"{self.served_model_names}", "NotFoundError", "model")
+
+    def check_request(self, request: Any) -> None:
+        """What completions and chat check before anything else.
+
+        Raises:
+            OpenAIError: 404 unknown model; 400 ``stream_options`` without ``stream`` (as vLLM).
+        """
+        self.check_model(request.model)
+        if request.stream_options is not None and not request.stream:
+            raise OpenAIError(400, "Stream options can only be defined when `stream=True`.",
+                              param="stream_options")
+
+    def encode_text(self, text: str, param: str, **kwargs: Any) -> list[int]:
+        """``text`` through the tokenizer (``kwargs`` go to ``encode``).
+
+        Raises:
+            OpenAIError 400: no tokenizer, or text that is not valid UTF-8 (a lone surrogate).
+        """
+        tokenizer = self.require_tokenizer("tokenize")
+        try:
+            check_utf8(text, param)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param=param) from exc
+        return tokenizer.encode(text, **kwargs)
 
     def require_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
