@@ -365,7 +365,7 @@ def test_b30_streaming_protocol_with_usage_n2_length(server, endpoint, reference
     assert usage == {"prompt_tokens": num_prompt, "completion_tokens": 20, "total_tokens": num_prompt + 20}
 
 
-def test_b01a_streaming_client_disconnect_aborts(client, server):
+def test_b01_a_streaming_client_disconnect_aborts(client, server):
     before = scrape(server.url)
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go on forever."}],
                                             max_tokens=3000, temperature=0, stream=True,
@@ -382,7 +382,7 @@ def test_b01a_streaming_client_disconnect_aborts(client, server):
     assert scrape(server.url)["pagedllm:generation_tokens_total"] == after["pagedllm:generation_tokens_total"]
 
 
-def test_b01b_non_streaming_client_killed_aborts(server):
+def test_b01_b_non_streaming_client_killed_aborts(server):
     before = scrape(server.url)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True}
     code = ("import httpx, sys; httpx.post(sys.argv[1], json=%r, headers={'Authorization': 'Bearer %s'}, "
