@@ -47,6 +47,17 @@ MAX_MODEL_LEN = 4096
 
 
 # --------------------------------------------------------------------------------- helpers
+def slowed(engine, seconds: float):
+    """Make every engine step take at least ``seconds``, so that requests stay in flight."""
+    step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+    engine.step = slow_step
+    return engine
+
+
 @functools.lru_cache(maxsize=1)
 def smollm2_tokenizer():
     from pagedllm.models.loader import load_tokenizer, resolve_model_path

@@ -16,21 +16,10 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import make_tiny_engine, run_to_completion
-from tests.test_server import (MODEL, InThreadServer, idle, scrape, smollm2_tokenizer, sse_events,
-                               tiny_chat_engine, wait_for_metrics)
+from tests.test_server import (MODEL, InThreadServer, idle, scrape, slowed, smollm2_tokenizer,
+                               sse_events, tiny_chat_engine, wait_for_metrics)
 
 ABORT = 'pagedllm:request_success_total{finished_reason="abort"}'
-
-
-def slowed(engine, seconds: float):
-    """Make every engine step take at least ``seconds``, so that requests stay in flight."""
-    step = engine.step
-
-    def slow_step():
-        time.sleep(seconds)
-        return step()
-    engine.step = slow_step
-    return engine
 
 
 def openai_client(server: InThreadServer) -> openai.OpenAI:

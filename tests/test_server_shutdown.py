@@ -12,7 +12,7 @@ import httpx
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from tests.conftest import _tiny_model
-from tests.test_server import ServerProcess, sse_events, wait_for_metrics
+from tests.test_server import ServerProcess, slowed, sse_events, wait_for_metrics
 
 STEP_SECONDS = 0.05
 
@@ -21,14 +21,8 @@ def slow_tiny_engine(engine_args: EngineArgs) -> LLMEngine:
     """conftest's tiny llama (no tokenizer), each step made to last ``STEP_SECONDS`` so that a
     long request outlives the drain timeout (the ``--engine-factory`` of this test)."""
     import torch
-    engine = LLMEngine(engine_args, model=_tiny_model(torch.float32, 0), tokenizer=None)
-    step = engine.step
-
-    def slow_step():
-        time.sleep(STEP_SECONDS)
-        return step()
-    engine.step = slow_step
-    return engine
+    return slowed(LLMEngine(engine_args, model=_tiny_model(torch.float32, 0), tokenizer=None),
+                  STEP_SECONDS)
 
 
 def test_sigterm_drains_then_exits_0(tmp_path):
