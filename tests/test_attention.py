@@ -71,7 +71,8 @@ def kernel():
     return ops
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3)])
+# Groups of 1, 4, 3 (SmolLM2), 7 (Qwen2.5-0.5B: two passes of 4 + 3) and 5 (4 + 1) query heads per KV head.
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3), (14, 2), (10, 2)])
 def test_decode_kernel_matches_reference_fp32(kernel, num_heads, num_kv_heads):
     batch = random_decode_batch(13, num_heads, num_kv_heads, torch.float32, seed=num_heads)
     scale = HEAD_DIM ** -0.5
@@ -81,6 +82,17 @@ def test_decode_kernel_matches_reference_fp32(kernel, num_heads, num_kv_heads):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(paged_decode_attention_torch(*batch, scale).double(), expected,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_decode_kernel_softmax_with_underflowing_weights(kernel):
+    """Scores spread over hundreds: most weights underflow to 0 (no NaN, no denormal slowdown)."""
+    query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(6, 9, 3, torch.float32, 11)
+    query = query * 40
+    scale = HEAD_DIM ** -0.5
+    expected = decode_reference(query, key_cache, value_cache, block_tables, context_lens, scale)
+    out = kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_kernel_bf16_matches_fp32_math(kernel):

@@ -26,10 +26,145 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+#if defined(__AVX512F__)
+// AVX-512 path (used when the build machine has AVX-512F and head_dim is a multiple of 16).
+// Per work item and group of up to kMaxGroup query heads: every K row is loaded once and
+// dotted with all the group's queries, the softmax is exponentiated 16 scores at a time, and
+// every V row is loaded once and accumulated into all the group's outputs, so K/V are read
+// from memory once per item, and the next block's K/V rows are prefetched while the current
+// one is computed (blocks are scattered, so the hardware prefetcher cannot run ahead).
+// Measured 1.6x faster than the scalar path on a cold cache (bench/README.md).
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for x <= 0 (max-subtracted scores): Cody-Waite range reduction x = n ln2 + r with
+// |r| <= ln2 / 2, a degree-6 polynomial for exp(r) (relative error ~2e-7, about one ulp),
+// then scaling by 2^n with VSCALEFPS. Inputs below -87 give exactly 0 rather than a denormal
+// (denormal operands would slow every later FMA by ~100x; their weight is below 1e-38).
+inline __m512 exp512(__m512 x) {
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
+}
+
+constexpr int kMaxGroup = 4;
+
+// Asks for one block's rows of one KV head (row_bytes each) ahead of their use.
+template <typename T>
+inline void prefetch_block(const T* first_row, int64_t rows, int64_t token_stride, int64_t row_bytes) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* p = reinterpret_cast<const char*>(first_row + r * token_stride);
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  }
+}
+
+// Attention of kGroup query heads (consecutive, sharing one KV head) over one sequence.
+// q: first head's query, q_head_stride apart; k/v_base point at the KV head's first element
+// of block 0 of the cache; scores: scratch of kGroup * context_len floats.
+template <typename T, int kHeadDim, int kGroup>
+void attend_group_avx512(const T* q, int64_t q_head_stride, const T* k_base, const T* v_base,
+                         const int64_t* table, int64_t context_len, int64_t block_size,
+                         int64_t block_stride, int64_t token_stride, float scale, float* scores,
+                         T* out) {
+  constexpr int kChunks = kHeadDim / 16;
+  __m512 qv[kGroup][kChunks];
+  for (int g = 0; g < kGroup; ++g) {
+    for (int c = 0; c < kChunks; ++c) {
+      qv[g][c] = _mm512_mul_ps(load16(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
+    }
+  }
+  float max_score[kGroup];
+  for (int g = 0; g < kGroup; ++g) max_score[g] = -std::numeric_limits<float>::infinity();
+  const int64_t used_blocks = (context_len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < used_blocks; ++b) {
+    const int64_t first = b * block_size;
+    const int64_t count = std::min(block_size, context_len - first);
+    const T* k_block = k_base + table[b] * block_stride;
+    if (b + 1 < used_blocks) prefetch_block(k_base + table[b + 1] * block_stride, block_size, token_stride, kHeadDim * sizeof(T));
+    for (int64_t slot = 0; slot < count; ++slot) {
+      const T* k = k_block + slot * token_stride;
+      __m512 kv[kChunks];
+      for (int c = 0; c < kChunks; ++c) kv[c] = load16(k + 16 * c);
+      for (int g = 0; g < kGroup; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+        const float dot = _mm512_reduce_add_ps(acc);
+        scores[g * context_len + first + slot] = dot;
+        max_score[g] = std::max(max_score[g], dot);
+      }
+    }
+  }
+  float inv_sum[kGroup];
+  for (int g = 0; g < kGroup; ++g) {
+    float* s = scores + g * context_len;
+    const __m512 m = _mm512_set1_ps(max_score[g]);
+    __m512 sum = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= context_len; t += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+      _mm512_storeu_ps(s + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (t < context_len) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (context_len - t)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m));
+      _mm512_mask_storeu_ps(s + t, tail, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[kGroup][kChunks];
+  for (int g = 0; g < kGroup; ++g) {
+    for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < used_blocks; ++b) {
+    const int64_t first = b * block_size;
+    const int64_t count = std::min(block_size, context_len - first);
+    const T* v_block = v_base + table[b] * block_stride;
+    if (b + 1 < used_blocks) prefetch_block(v_base + table[b + 1] * block_stride, block_size, token_stride, kHeadDim * sizeof(T));
+    for (int64_t slot = 0; slot < count; ++slot) {
+      const T* v = v_block + slot * token_stride;
+      __m512 vv[kChunks];
+      for (int c = 0; c < kChunks; ++c) vv[c] = load16(v + 16 * c);
+      for (int g = 0; g < kGroup; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * context_len + first + slot]);
+        for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < kGroup; ++g) {
+    T* o = out + g * kHeadDim;
+    alignas(64) float tmp[kHeadDim];
+    for (int c = 0; c < kChunks; ++c) {
+      _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
+    }
+    for (int d = 0; d < kHeadDim; ++d) o[d] = static_cast<T>(tmp[d]);
+  }
+}
+#endif  // __AVX512F__
 
 // kHeadDim > 0 fixes head_dim at compile time: the per-token loops then unroll fully and a
 // head's q and output accumulator stay in vector registers (measured ~2x on the decode step
@@ -74,6 +209,26 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         TORCH_CHECK_VALUE(table[b] >= 0 && table[b] < num_blocks, "block_tables[", seq, ", ", b,
                           "] = ", table[b], " is outside [0, ", num_blocks, ")");
       }
+#if defined(__AVX512F__)
+      if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+        scores.resize(std::min<int64_t>(group, kMaxGroup) * context_len);
+        for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+          const int64_t head = kv_head * group + g0;
+          const T* q = q_base + seq * q_seq_stride + head * q_head_stride;
+          T* o = out_base + (seq * num_heads + head) * head_dim;
+          const T* k = k_base + kv_head * head_dim;
+          const T* v = v_base + kv_head * head_dim;
+          const int64_t block_stride = block_size * token_stride;
+          switch (std::min<int64_t>(kMaxGroup, group - g0)) {
+            case 1: attend_group_avx512<T, kHeadDim, 1>(q, q_head_stride, k, v, table, context_len, block_size, block_stride, token_stride, scale, scores.data(), o); break;
+            case 2: attend_group_avx512<T, kHeadDim, 2>(q, q_head_stride, k, v, table, context_len, block_size, block_stride, token_stride, scale, scores.data(), o); break;
+            case 3: attend_group_avx512<T, kHeadDim, 3>(q, q_head_stride, k, v, table, context_len, block_size, block_stride, token_stride, scale, scores.data(), o); break;
+            default: attend_group_avx512<T, kHeadDim, 4>(q, q_head_stride, k, v, table, context_len, block_size, block_stride, token_stride, scale, scores.data(), o); break;
+          }
+        }
+        continue;
+      }
+#endif
       scores.resize(context_len);
       // One query head at a time: its K/V rows were just read for the previous head of the
       // group and come from cache, while q and the accumulator live in registers.

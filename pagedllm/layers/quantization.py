@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.linear import Linear
+
 QUANTIZATION_METHODS = ("int8", "int4")
 INT4_GROUP_SIZE = 32
 # Rows of x up to which the weight-only kernels beat dequantize-then-matmul (bench/quant_matmul.py).
@@ -250,7 +252,7 @@ def quantize_model(model: nn.Module, method: str,
     prequantized = prequantized or {}
     model.unquantized_weight_bytes = weight_bytes(model)
 
-    def convert(linear: nn.Linear, hf_parts: list[str]) -> nn.Module:
+    def convert(linear: Linear, hf_parts: list[str]) -> nn.Module:
         if method == "int8":
             return Int8Linear.from_float(linear.weight, linear.bias)
         parts = [prequantized.get(name) for name in hf_parts]
