@@ -12,12 +12,13 @@ import logging
 import pytest
 import torch
 
-from pagedllm.layers import attention
-from pagedllm.layers.attention import (AttentionMetadata, PrefillSequence, decode_kernel,
-                                       paged_attention, paged_decode_attention,
-                                       paged_decode_attention_torch, prefill_attention)
+from pagedllm.layers import ops as ops_module
+from pagedllm.layers.attention import (AttentionMetadata, PrefillSequence, paged_attention,
+                                       paged_decode_attention, paged_decode_attention_torch,
+                                       prefill_attention)
+from pagedllm.layers.ops import native_ops
 
-NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM = 64, 16, 32
+NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM = 64, 16, 64
 
 
 def dense_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -38,22 +39,23 @@ def dense_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return out
 
 
-def random_caches(num_kv_heads: int, dtype: torch.dtype, seed: int):
+def random_caches(num_kv_heads: int, dtype: torch.dtype, seed: int, head_dim: int = HEAD_DIM):
     g = torch.Generator().manual_seed(seed)
-    shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim)
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype), g
 
 
-def random_decode_batch(num_seqs: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int):
+def random_decode_batch(num_seqs: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int,
+                        head_dim: int = HEAD_DIM):
     """Caches, queries and random (non-contiguous, shuffled) block tables for a decode batch."""
-    key_cache, value_cache, g = random_caches(num_kv_heads, dtype, seed)
+    key_cache, value_cache, g = random_caches(num_kv_heads, dtype, seed, head_dim)
     context_lens = torch.randint(1, 12 * BLOCK_SIZE, (num_seqs,), generator=g)
     context_lens[0] = 1  # a sequence whose first token is also its only one
     context_lens[-1] = 12 * BLOCK_SIZE  # exactly full blocks
     max_blocks = int(-(-context_lens.max() // BLOCK_SIZE))
     # Padding entries beyond a sequence's blocks hold arbitrary valid ids, as the runner's 0s.
     block_tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=g)[:max_blocks] for _ in range(num_seqs)])
-    query = torch.randn(num_seqs, num_heads, HEAD_DIM, generator=g).to(dtype)
+    query = torch.randn(num_seqs, num_heads, head_dim, generator=g).to(dtype)
     return query, key_cache, value_cache, block_tables, context_lens
 
 
@@ -65,17 +67,20 @@ def decode_reference(query, key_cache, value_cache, block_tables, context_lens, 
 
 @pytest.fixture(scope="module")
 def kernel():
-    ops = decode_kernel()
+    ops = native_ops()
     if ops is None:
-        pytest.fail("the C++ kernel did not build (see the warning logged by decode_kernel)")
+        pytest.fail("the C++ kernel did not build (see the warning logged by native_ops)")
     return ops
 
 
-# Groups of 1, 4, 3 (SmolLM2), 7 (Qwen2.5-0.5B: two passes of 4 + 3) and 5 (4 + 1) query heads per KV head.
+# Groups of 1, 4, 3 (SmolLM2), 7 (Qwen2.5-0.5B: two passes of 4 + 3) and 5 (4 + 1) query heads
+# per KV head; head_dim 64 and 128 take the AVX-512 path where the CPU has it, 32 and 48 the
+# generic one.
+@pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3), (14, 2), (10, 2)])
-def test_decode_kernel_matches_reference_fp32(kernel, num_heads, num_kv_heads):
-    batch = random_decode_batch(13, num_heads, num_kv_heads, torch.float32, seed=num_heads)
-    scale = HEAD_DIM ** -0.5
+def test_decode_kernel_matches_reference_fp32(kernel, num_heads, num_kv_heads, head_dim):
+    batch = random_decode_batch(13, num_heads, num_kv_heads, torch.float32, seed=num_heads, head_dim=head_dim)
+    scale = head_dim ** -0.5
     expected = decode_reference(*batch, scale)
     out = kernel.paged_decode_attention(*batch, scale)
     assert out.dtype == torch.float32 and out.shape == batch[0].shape
@@ -86,19 +91,21 @@ def test_decode_kernel_matches_reference_fp32(kernel, num_heads, num_kv_heads):
 
 def test_decode_kernel_softmax_with_underflowing_weights(kernel):
     """Scores spread over hundreds: most weights underflow to 0 (no NaN, no denormal slowdown)."""
-    query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(6, 9, 3, torch.float32, 11)
+    query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(6, 9, 3, torch.float32, 11,
+                                                                                   head_dim=64)
     query = query * 40
-    scale = HEAD_DIM ** -0.5
+    scale = 64 ** -0.5
     expected = decode_reference(query, key_cache, value_cache, block_tables, context_lens, scale)
     out = kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_kernel_bf16_matches_fp32_math(kernel):
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_decode_kernel_bf16_matches_fp32_math(kernel, head_dim):
     query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(
-        9, 8, 2, torch.bfloat16, seed=7)
-    scale = HEAD_DIM ** -0.5
+        9, 8, 2, torch.bfloat16, seed=7, head_dim=head_dim)
+    scale = head_dim ** -0.5
     # The kernel reads bf16 and accumulates in fp32: compare with fp64 math on the same values,
     # allowing one bf16 rounding of the output (relative 2^-8).
     expected = decode_reference(query, key_cache, value_cache, block_tables, context_lens, scale)
@@ -137,20 +144,20 @@ def test_decode_falls_back_to_torch_when_the_build_fails(monkeypatch, caplog):
     from torch.utils import cpp_extension
 
     def failing_load(*args, **kwargs):
-        raise RuntimeError("Error building extension 'pagedllm_paged_attention'")
+        raise RuntimeError("Error building extension 'pagedllm_ops'")
 
     query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(4, 4, 2, torch.float32, 9)
     expected = decode_reference(query, key_cache, value_cache, block_tables, context_lens, 0.2)
     monkeypatch.setattr(cpp_extension, "load", failing_load)
-    decode_kernel.cache_clear()
+    native_ops.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=attention.__name__):
-            assert decode_kernel() is None
+        with caplog.at_level(logging.WARNING, logger=ops_module.__name__):
+            assert native_ops() is None
             out = paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, 0.2)
         assert "using the pure-torch path" in caplog.text
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     finally:
-        decode_kernel.cache_clear()
+        native_ops.cache_clear()
 
 
 @pytest.mark.parametrize("num_cached,q_len", [(0, 37), (16, 16), (23, 40), (150, 7)])

@@ -26,9 +26,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace {
 
@@ -36,6 +34,9 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 #if defined(__AVX512F__)
+using pagedllm_vec::exp512;
+using pagedllm_vec::load16;
+
 // AVX-512 path (used when the build machine has AVX-512F and head_dim is a multiple of 16).
 // Per work item and group of up to kMaxGroup query heads: every K row is loaded once and
 // dotted with all the group's queries, the softmax is exponentiated 16 scores at a time, and
@@ -43,32 +44,6 @@ inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 // from memory once per item, and the next block's K/V rows are prefetched while the current
 // one is computed (blocks are scattered, so the hardware prefetcher cannot run ahead).
 // Measured 1.6x faster than the scalar path on a cold cache (bench/README.md).
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp(x) for x <= 0 (max-subtracted scores): Cody-Waite range reduction x = n ln2 + r with
-// |r| <= ln2 / 2, a degree-6 polynomial for exp(r) (relative error ~2e-7, about one ulp),
-// then scaling by 2^n with VSCALEFPS. Inputs below -87 give exactly 0 rather than a denormal
-// (denormal operands would slow every later FMA by ~100x; their weight is below 1e-38).
-inline __m512 exp512(__m512 x) {
-  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
-}
 
 constexpr int kMaxGroup = 4;
 

@@ -8,19 +8,12 @@ A token at position ``p`` of a sequence lives in slot ``p % block_size`` of phys
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
-
-KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
+from pagedllm.layers.ops import native_ops, reshape_and_cache_
 
 
 @dataclass
@@ -63,9 +56,9 @@ class AttentionMetadata:
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their slots, in place."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    num_tokens = key.shape[0]
+    reshape_and_cache_(key.reshape(num_tokens, -1), value.reshape(num_tokens, -1), key_cache,
+                       value_cache, slot_mapping)
 
 
 def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
@@ -109,7 +102,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     KV head, fp32 accumulation) when it is available, else ``paged_decode_attention_torch``.
     Arguments and result as ``paged_decode_attention_torch``.
     """
-    kernel = decode_kernel()
+    kernel = native_ops()
     if kernel is None:
         return paged_decode_attention_torch(query, key_cache, value_cache, block_tables,
                                             context_lens, scale)
@@ -197,32 +190,3 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                                    value[seq.start:seq.end], key_cache, value_cache,
                                                    seq, scale)
     return out
-
-
-@functools.lru_cache(maxsize=1)
-def decode_kernel():
-    """The ops of the compiled C++ kernel (``torch.ops.pagedllm``), or None where it cannot be had.
-
-    Compiled on first use by ``torch.utils.cpp_extension.load`` (ninja + the system C++
-    compiler, ``-O3 -march=native -fopenmp``) and cached in torch's extension folder
-    (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), so later processes only
-    load it. ``PAGEDLLM_ATTENTION_BACKEND=torch`` skips it. A failed build logs one warning
-    and leaves the pure-torch path, which computes the same result more slowly.
-    """
-    if os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "cpp") == "torch":
-        return None
-    try:
-        from torch.utils import cpp_extension
-
-        # pip installs ninja into the venv's bin, which is not on PATH unless it is activated.
-        venv_bin = str(Path(sys.executable).parent)
-        if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-        cpp_extension.load(name="pagedllm_paged_attention", sources=[str(KERNEL_SOURCE)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-        return torch.ops.pagedllm
-    except Exception as exc:  # any build or load failure: the torch path still works
-        logger.warning("C++ paged attention kernel unavailable (%s: %s); using the pure-torch "
-                       "path", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        return None

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata, paged_attention
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.ops import add_rms_norm_, rms_norm, rotary_embedding_, silu_and_mul
 
 
 @dataclass
@@ -42,24 +42,28 @@ class LlamaConfig:
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)``, computed in fp32 (Zhang & Sennrich 2019)."""
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in fp32 (Zhang & Sennrich 2019).
+
+    ``forward(x)`` normalizes ``[tokens, hidden]``; ``forward(x, residual)`` first adds ``x``
+    into ``residual`` in place and normalizes the sum (one pass, ``layers/ops.py``).
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm_(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding, "rotate half" layout (Su et al. 2021; HF ``apply_rotary_pos_emb``).
+    """Rotary position embedding tables, "rotate half" layout (Su et al. 2021; HF ``apply_rotary_pos_emb``).
 
-    Precomputes cos/sin for positions ``[0, max_positions)`` in fp32.
+    ``cos``/``sin``: ``[max_positions, head_dim]`` fp32; the rotation itself is
+    ``layers.ops.rotary_embedding_``, applied in place to the fused QKV rows.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
@@ -72,18 +76,6 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos()
         self.sin = emb.sin()
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate q ``[T, H, D]`` and k ``[T, H_kv, D]`` by their positions ``[T]``."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class LlamaAttention(nn.Module):
@@ -102,11 +94,12 @@ class LlamaAttention(nn.Module):
     def forward(self, positions, hidden, kv_cache, metadata, rotary):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        rotary_embedding_(qkv, positions, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads,
+                          self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -119,8 +112,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -131,10 +123,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions, hidden, kv_cache, metadata, rotary):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache,
-                                         metadata, rotary)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, kv_cache, metadata, rotary):
+        """``residual`` (the stream HF adds every sub-layer's output to) is None for the first
+        layer; it is updated in place, and ``hidden`` is the sub-layer output not yet added."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata, rotary)
+        hidden = self.mlp(self.post_attention_layernorm(hidden, residual))
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -161,10 +160,10 @@ class LlamaForCausalLM(nn.Module):
 
         Returns: ``[num_tokens, hidden_size]`` final-normed hidden states.
         """
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, metadata, self.rotary)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.rotary)
+        return self.norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[num_rows, hidden_size]`` -> ``[num_rows, vocab_size]`` fp32 logits."""

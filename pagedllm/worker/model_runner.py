@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from pagedllm.core.request import Request
-from pagedllm.layers.attention import AttentionMetadata, PrefillSequence, decode_kernel
+from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
+from pagedllm.layers.ops import native_ops
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.worker.sampler import SamplingMetadata, compute_logprobs, gather_logprobs, sample
@@ -81,9 +82,9 @@ class ModelRunner:
                           for _ in range(config.num_hidden_layers)]
         self.generator = torch.Generator().manual_seed(seed)
         _keep_freed_memory_mapped()
-        # Build or load the C++ attention kernel now, not inside the first request's step
+        # Build or load the C++ ops now, not inside the first request's step
         # (a first build takes tens of seconds; even loading a cached one takes a moment).
-        decode_kernel()
+        native_ops()
 
     @torch.inference_mode()
     def execute_model(self, scheduled: Sequence[tuple[Request, int]],

@@ -1,0 +1,147 @@
+"""The C++ CPU ops (``pagedllm/csrc``) and their pure-torch references.
+
+``native_ops()`` builds ``paged_attention.cpp`` and ``fused_ops.cpp`` into one extension on
+first use. Every op here has a torch formulation that computes the same values (fp32 results
+agree up to summation order), used when the extension cannot be built and by the tests as the
+reference. The semantics mirror vLLM's ops of the same names (``csrc/layernorm_kernels.cu``,
+``pos_encoding_kernels.cu``, ``activation_kernels.cu``, ``cache_kernels.cu``); the arithmetic
+follows Hugging Face ``modeling_llama.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp"]
+HEADERS = [CSRC / "cpu_vec.h"]
+
+
+@functools.lru_cache(maxsize=1)
+def native_ops():
+    """The compiled ops (``torch.ops.pagedllm``), or None where they cannot be had.
+
+    Compiled on first use by ``torch.utils.cpp_extension.load`` (ninja + the system C++
+    compiler, ``-O3 -march=native -fopenmp``) and cached in torch's extension folder
+    (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), so later processes only
+    load it. ``PAGEDLLM_NATIVE_OPS=0`` skips it. A failed build logs one warning and leaves the
+    pure-torch paths, which compute the same results more slowly.
+    """
+    if os.environ.get("PAGEDLLM_NATIVE_OPS", "1") == "0":
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        # pip installs ninja into the venv's bin, which is not on PATH unless it is activated.
+        venv_bin = str(Path(sys.executable).parent)
+        if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+        # torch rebuilds when a source or a flag changes, not a header: the headers' hash
+        # goes into the flags.
+        digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+        cpp_extension.load(name="pagedllm_ops", sources=[str(s) for s in SOURCES],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp",
+                                         f"-DPAGEDLLM_HEADERS_SHA={digest}"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        return torch.ops.pagedllm
+    except Exception as exc:  # any build or load failure: the torch paths still work
+        logger.warning("C++ ops unavailable (%s: %s); using the pure-torch path",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` in fp32 (Zhang & Sennrich 2019; HF ``LlamaRMSNorm``).
+
+    Args: ``x`` ``[tokens, hidden]``, ``weight`` ``[hidden]``, both the compute dtype.
+    """
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As ``rms_norm_torch``; returns a new ``[tokens, hidden]`` tensor."""
+    ops = native_ops()
+    return rms_norm_torch(x, weight, eps) if ops is None else ops.rms_norm(x, weight, eps)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += x`` in place, then returns ``rms_norm(residual)`` (vLLM's fused_add_rms_norm)."""
+    ops = native_ops()
+    if ops is None:
+        residual.add_(x)
+        return rms_norm_torch(residual, weight, eps)
+    return ops.add_rms_norm_(x, residual, weight, eps)
+
+
+def rotary_embedding_torch_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Rotates q and k inside ``qkv`` in place (Su et al. 2021, "rotate half" layout as HF's).
+
+    Args:
+        qkv: ``[tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]``, q then k then v.
+        positions: ``[tokens]`` int64.
+        cos, sin: ``[max_positions, head_dim]`` fp32.
+    """
+    tokens = qkv.shape[0]
+    qk = qkv[:, :(num_q_heads + num_kv_heads) * head_dim].view(tokens, num_q_heads + num_kv_heads, head_dim)
+    c = cos[positions].to(qkv.dtype).unsqueeze(1)
+    s = sin[positions].to(qkv.dtype).unsqueeze(1)
+    half = head_dim // 2
+    rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+    qk.copy_(qk * c + rotated * s)
+
+
+def rotary_embedding_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """As ``rotary_embedding_torch_``.
+
+    Raises:
+        ValueError: a position outside ``[0, max_positions)`` (native path).
+    """
+    ops = native_ops()
+    if ops is None:
+        rotary_embedding_torch_(qkv, positions, cos, sin, num_q_heads, num_kv_heads, head_dim)
+    else:
+        ops.rotary_embedding_(qkv, positions, cos, sin, num_q_heads, num_kv_heads, head_dim)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``[tokens, 2 * d]`` (gate, up) -> ``silu(gate) * up`` ``[tokens, d]`` (SwiGLU, Shazeer 2020)."""
+    ops = native_ops()
+    if ops is None:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return ops.silu_and_mul(x)
+
+
+def reshape_and_cache_(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new K/V ``[tokens, num_kv_heads * head_dim]`` into their flat slots, in place.
+
+    Args:
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: ``[tokens]`` int64, ``block_id * block_size + offset``.
+
+    Raises:
+        ValueError: a slot outside the cache (native path).
+    """
+    ops = native_ops()
+    if ops is None:
+        width = key_cache.shape[2] * key_cache.shape[3]
+        key_cache.view(-1, width).index_copy_(0, slot_mapping, key)
+        value_cache.view(-1, width).index_copy_(0, slot_mapping, value)
+    else:
+        ops.reshape_and_cache_(key, value, key_cache, value_cache, slot_mapping)

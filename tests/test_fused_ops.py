@@ -1,0 +1,122 @@
+"""The fused C++ ops (pagedllm/csrc/fused_ops.cpp) against their torch formulations.
+
+fp32 results must agree to summation-order rounding (rtol 1e-6); bf16 ones to one bf16
+rounding. Inputs are strided views where the model passes views (rows of the fused QKV and
+gate/up projections).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers import ops
+from pagedllm.models.llama import RotaryEmbedding
+
+TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol=2 ** -7, atol=2 ** -7)}
+
+
+@pytest.fixture(scope="module")
+def native():
+    native = ops.native_ops()
+    if native is None:
+        pytest.fail("the C++ ops did not build (see the warning logged by native_ops)")
+    return native
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 70])
+def test_rms_norm(native, dtype, rows):
+    x = randn(rows, 96, dtype=dtype) * 3
+    weight = 1 + randn(96, dtype=dtype, seed=1) * 0.1
+    torch.testing.assert_close(native.rms_norm(x, weight, 1e-5), ops.rms_norm_torch(x, weight, 1e-5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_updates_residual_in_place(native, dtype):
+    x, residual = randn(33, 96, dtype=dtype), randn(33, 96, dtype=dtype, seed=1)
+    weight = 1 + randn(96, dtype=dtype, seed=2) * 0.1
+    expected_residual = residual + x
+    expected = ops.rms_norm_torch(expected_residual, weight, 1e-6)
+    out = native.add_rms_norm_(x, residual, weight, 1e-6)
+    torch.testing.assert_close(residual, expected_residual, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_rotates_q_and_k_only(native, dtype):
+    num_q, num_kv, head_dim, tokens = 6, 2, 64, 19
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0)
+    qkv = randn(tokens, (num_q + 2 * num_kv) * head_dim, dtype=dtype)
+    positions = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(3))
+    expected = qkv.clone()
+    ops.rotary_embedding_torch_(expected, positions, rotary.cos, rotary.sin, num_q, num_kv, head_dim)
+    out = qkv.clone()
+    native.rotary_embedding_(out, positions, rotary.cos, rotary.sin, num_q, num_kv, head_dim)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    v = slice((num_q + num_kv) * head_dim, None)
+    assert torch.equal(out[:, v], qkv[:, v])
+
+
+def test_rotary_embedding_matches_hf_formula():
+    """The torch reference is HF's ``apply_rotary_pos_emb`` on [tokens, heads, head_dim]."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    num_q, num_kv, head_dim, tokens = 4, 2, 32, 9
+    rotary = RotaryEmbedding(head_dim, 64, 500000.0)
+    qkv = randn(tokens, (num_q + 2 * num_kv) * head_dim)
+    positions = torch.arange(20, 20 + tokens)
+    q = qkv[:, :num_q * head_dim].view(1, tokens, num_q, head_dim).transpose(1, 2)
+    k = qkv[:, num_q * head_dim:(num_q + num_kv) * head_dim].view(1, tokens, num_kv, head_dim).transpose(1, 2)
+    q_hf, k_hf = apply_rotary_pos_emb(q, k, rotary.cos[positions][None], rotary.sin[positions][None])
+    out = qkv.clone()
+    ops.rotary_embedding_(out, positions, rotary.cos, rotary.sin, num_q, num_kv, head_dim)
+    torch.testing.assert_close(out[:, :num_q * head_dim], q_hf.transpose(1, 2).reshape(tokens, -1), **TOL[torch.float32])
+    torch.testing.assert_close(out[:, num_q * head_dim:(num_q + num_kv) * head_dim],
+                               k_hf.transpose(1, 2).reshape(tokens, -1), **TOL[torch.float32])
+
+
+def test_rotary_embedding_rejects_positions_outside_the_table(native):
+    rotary = RotaryEmbedding(32, 16, 10000.0)
+    qkv = randn(2, 4 * 32)
+    with pytest.raises(ValueError, match=r"positions\[1\] = 16 is outside \[0, 16\)"):
+        native.rotary_embedding_(qkv, torch.tensor([3, 16]), rotary.cos, rotary.sin, 2, 1, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(native, dtype):
+    x = randn(21, 2 * 80, dtype=dtype) * 4
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(native.silu_and_mul(x), F.silu(gate) * up, **TOL[dtype])
+
+
+def test_reshape_and_cache_writes_strided_rows_into_their_slots(native):
+    num_blocks, block_size, num_kv, head_dim = 6, 4, 2, 8
+    key_cache = torch.zeros(num_blocks, block_size, num_kv, head_dim)
+    value_cache = torch.zeros_like(key_cache)
+    qkv = randn(5, 3 * num_kv * head_dim)  # keys and values are views with a row stride
+    key, value = qkv[:, num_kv * head_dim:2 * num_kv * head_dim], qkv[:, 2 * num_kv * head_dim:]
+    slots = torch.tensor([0, 5, 23, 9, 14])
+    native.reshape_and_cache_(key, value, key_cache, value_cache, slots)
+    torch.testing.assert_close(key_cache.view(-1, num_kv * head_dim)[slots], key, rtol=0, atol=0)
+    torch.testing.assert_close(value_cache.view(-1, num_kv * head_dim)[slots], value, rtol=0, atol=0)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert not key_cache.view(-1, num_kv * head_dim)[untouched].any()
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 24 is outside \[0, 24\)"):
+        native.reshape_and_cache_(key[:1], value[:1], key_cache, value_cache, torch.tensor([24]))
+
+
+def test_ops_fall_back_to_torch_without_the_extension(monkeypatch):
+    """With the extension unavailable every wrapper computes the same values in torch."""
+    x, weight = randn(5, 64), 1 + randn(64, seed=1) * 0.1
+    expected = ops.rms_norm(x, weight, 1e-5)
+    monkeypatch.setattr(ops, "native_ops", lambda: None)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), expected, **TOL[torch.float32])
+    gate_up = randn(3, 16)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :8]) * gate_up[:, 8:])
