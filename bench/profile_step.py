@@ -25,9 +25,10 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.request import Request
 
 CATEGORIES = [
-    ("attention (decode kernel)", ("pagedllm::",)),
+    ("attention (decode kernel)", ("pagedllm::paged_decode_attention",)),
     ("attention (sdpa)", ("aten::scaled_dot_product", "aten::_scaled_dot_product")),
-    ("kv write + gathers", ("aten::index_copy", "aten::index", "aten::repeat_interleave", "aten::masked_fill")),
+    ("kv write + gathers", ("pagedllm::reshape_and_cache", "aten::index_copy", "aten::index",
+                            "aten::repeat_interleave", "aten::masked_fill")),
     ("linear layers", ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul")),
     ("sampling", ("aten::argmax", "aten::sort", "aten::topk", "aten::softmax", "aten::log_softmax",
                   "aten::exponential", "aten::gather")),
