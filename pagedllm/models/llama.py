@@ -1,7 +1,9 @@
 """Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over the paged KV cache.
 
-Mirrors Hugging Face ``transformers`` ``modeling_llama.py`` op for op, so that fp32 greedy output
-is token-for-token equal; Q/K/V and gate/up projections are fused into one matmul each.
+Computes what Hugging Face ``transformers`` ``modeling_llama.py`` computes, in the same fp32
+arithmetic, so that greedy output is token-for-token equal; the layout is vLLM's: Q/K/V and
+gate/up projections are one matmul each, RoPE is applied in place to the QKV rows, the residual
+add is fused into the next RMSNorm, and SiLU x up is one op (``layers/ops.py``).
 """
 
 from __future__ import annotations
@@ -107,7 +109,6 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
