@@ -570,6 +570,28 @@ def test_b11_bad_max_tokens_is_400_naming_the_field(server, max_tokens):
     assert "max_tokens" in error["message"] and error["code"] == 400 and error["type"] == "BadRequestError"
 
 
+def test_port_in_use_is_refused_before_loading_the_model():
+    from pagedllm.entrypoints.openai.api_server import check_port_free
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", port)  # free again
+
+
+@pytest.mark.parametrize("message,needle", [({"role": "wizard", "content": "x"}, "role"),
+                                             ({"role": "user"}, "content")])
+def test_invalid_chat_message_is_400(server, message, needle):
+    response = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"model": MODEL, "messages": [message], "max_tokens": 2})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert needle in error["message"] and error["type"] == "BadRequestError"
+
+
 def test_errors_are_openai_json(server, client):
     wrong_key = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

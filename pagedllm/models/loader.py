@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -85,38 +86,67 @@ def model_folder(path: Path) -> Path:
 
     A folder is returned as is. A GGUF file is converted once (``gguf`` reads and dequantizes
     the tensors to fp32, ``transformers`` converts the tokenizer and chat template from the
-    metadata) into ``cache_dir()/models/<key>``, keyed by the file's path, size and mtime: the
-    gguf reader alone needs several seconds to parse a 49k-token vocabulary, so later starts
-    read the cached folder instead. ``Q4_1``/``Q4_K`` tensors are also kept as 4-bit codes in
+    metadata) into ``cache_dir()/models/<key>``, keyed by the file's name, size and a hash of its first
+    and last MiB (not its path: every venv or clone holding the same file shares one
+    conversion): the gguf reader alone needs several seconds to parse a 49k-token vocabulary,
+    so later starts read the cached folder instead. A conversion that fails or loses a race
+    leaves no partial folder behind, and ones left by killed processes are removed. ``Q4_1``/``Q4_K`` tensors are also kept as 4-bit codes in
     ``INT4_FILE`` for ``quantization="int4"`` (see ``load_prequantized_int4``).
     """
     if path.is_dir():
         return path
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_CONVERSION_VERSION}"
-                         .encode()).hexdigest()[:16]
-    folder = cache_dir() / "models" / f"{path.stem}-{key}"
+    folder = cache_dir() / "models" / f"{path.stem}-{_content_key(path)}"
     if (folder / "complete").exists():
         return folder
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
+    _remove_abandoned_conversions(folder.parent)
     logger.info("converting %s to %s (once)", path, folder)
     raw_config, state_dict, int4_weights = _read_gguf(path)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "config.json").write_text(json.dumps(raw_config, indent=2))
-    save_file(state_dict, str(tmp / "model.safetensors"))
-    del state_dict
-    save_file(_pack_int4(int4_weights), str(tmp / INT4_FILE))
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tokenizer.save_pretrained(str(tmp))
-    (tmp / "complete").write_text(str(path))
     try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "config.json").write_text(json.dumps(raw_config, indent=2))
+        save_file(state_dict, str(tmp / "model.safetensors"))
+        del state_dict
+        save_file(_pack_int4(int4_weights), str(tmp / INT4_FILE))
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "complete").write_text(str(path))
         tmp.rename(folder)
-    except OSError:  # another process converted it first
-        pass
+    except OSError:
+        if not (folder / "complete").exists():
+            raise
+        # another process converted it first
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _content_key(path: Path) -> str:
+    """16 hex digits from the file's name, size and first and last MiB (fast on multi-GB files)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{path.name}:{size}:{_CONVERSION_VERSION}".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
+def _remove_abandoned_conversions(models_dir: Path) -> None:
+    """Delete ``<name>.tmp<pid>`` folders whose converting process no longer runs."""
+    for tmp in models_dir.glob("*.tmp*"):
+        pid = tmp.name.rpartition(".tmp")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 def load_checkpoint(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import time
 from http import HTTPStatus
 from pathlib import Path
@@ -281,6 +282,21 @@ def _build_engine(args: argparse.Namespace, engine_args: EngineArgs) -> LLMEngin
     return LLMEngine(engine_args)
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Bind ``host:port`` once and release it.
+
+    Raises:
+        ValueError: the address cannot be bound (in use, not local, no permission).
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     """Build the engine from the CLI options, serve until a signal, drain, return 0.
 
@@ -290,6 +306,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     """
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    check_port_free(args.host, args.port)  # before seconds of model loading, not after
     engine_args = EngineArgs.from_kwargs(**engine_kwargs)
     engine = _build_engine(args, engine_args)
     names = args.served_model_name or [args.model or Path(DEFAULT_MODEL_FILE).stem]

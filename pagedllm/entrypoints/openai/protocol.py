@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, model_validator
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -108,9 +108,18 @@ class TextContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: str
+    """One chat message. As OpenAI's API: the roles below only, and ``content`` required except
+    for an assistant message (which may carry only a name or, in OpenAI's API, tool calls)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextContentPart], None] = None
     name: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role!r} message needs 'content'")
+        return self
 
     def as_template_message(self) -> dict[str, Any]:
         """The message as a chat template expects it (text parts joined by newlines, as vLLM)."""
