@@ -604,7 +604,7 @@ def test_errors_are_openai_json(server, client):
     assert info.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="x", temperature=-1)
-    assert "temperature" in info.value.body["message"]
+    assert "temperature" in info.value.body["message"] and info.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=65)
     assert "max_num_seqs" in info.value.body["message"]

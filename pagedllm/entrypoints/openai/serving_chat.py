@@ -10,11 +10,10 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.engine.llm_engine import check_utf8
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing,
-                                                        SSEResponse, close_all, collect_final,
-                                                        merge_streams, now_seconds, random_id,
-                                                        run_until_disconnect, sse, sse_with_errors,
-                                                        usage)
+from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing, SSEResponse,
+                                                        close_all, collect_final, merge_streams, now_seconds,
+                                                        random_id, run_until_disconnect,
+                                                        sampling_params_error, sse, sse_with_errors, usage)
 from pagedllm.outputs import Logprob, RequestOutput
 
 
@@ -67,7 +66,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             params = request.sampling_params(max_tokens, logprobs, request.prompt_logprobs)
         except ValueError as exc:
-            raise OpenAIError(400, str(exc)) from exc
+            raise sampling_params_error(exc) from exc
         request_id = random_id("chatcmpl")
         created = now_seconds()
         prompt = {"prompt_token_ids": token_ids, "prompt": text}

@@ -9,11 +9,10 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
-from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing,
-                                                        SSEResponse, close_all, collect_final,
-                                                        merge_streams, now_seconds, random_id,
-                                                        run_until_disconnect, sse, sse_with_errors,
-                                                        usage)
+from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing, SSEResponse,
+                                                        close_all, collect_final, merge_streams, now_seconds,
+                                                        random_id, run_until_disconnect,
+                                                        sampling_params_error, sse, sse_with_errors, usage)
 from pagedllm.outputs import Logprob, RequestOutput
 
 
@@ -37,7 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             params = request.sampling_params(request.max_tokens, request.logprobs, prompt_logprobs)
         except ValueError as exc:
-            raise OpenAIError(400, str(exc)) from exc
+            raise sampling_params_error(exc) from exc
         request_id = random_id("cmpl")
         created = now_seconds()
         streams = await self.add_requests(request_id, prompts, params, request.cache_salt)

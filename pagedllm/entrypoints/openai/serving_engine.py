@@ -50,6 +50,13 @@ class OpenAIError(Exception):
         return _ASCIIJSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def sampling_params_error(exc: ValueError) -> OpenAIError:
+    """A ``SamplingParams`` ``ValueError`` as a 400; its message starts with the field's name
+    (``temperature must be >= 0, got -1``), which becomes ``param``."""
+    field = str(exc).split(" ", 1)[0]
+    return OpenAIError(400, str(exc), param=field if field.isidentifier() else None)
+
+
 class _ASCIIJSONResponse(JSONResponse):
     """JSON with non-ASCII escaped: an error message may quote the request's text, and a lone
     surrogate in it (valid in JSON, not in UTF-8) must not break the error response itself."""
