@@ -201,8 +201,8 @@ SURROGATE = "prompt is not valid UTF-8 text: character 0 is the lone surrogate '
         {"type": "text", "text": "a"}, {"type": "text", "text": "\udfff"}]}]},
      "messages[1].content is not valid UTF-8 text: character 2 is the lone surrogate '\\udfff'",
      "messages.1.content"),
-    ("/tokenize", {"messages": [{"role": "us\udc80er", "content": "hi"}]},
-     "messages[0].role is not valid UTF-8 text: character 2 is the lone surrogate '\\udc80'", "messages.0.role"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi", "name": "us\udc80er"}]},
+     "messages[0].name is not valid UTF-8 text: character 2 is the lone surrogate '\\udc80'", "messages.0.name"),
 ])
 def test_lone_surrogate_text_is_a_clean_400(chat_server, path, body, message, param):
     response = httpx.post(chat_server.url + path, headers=JSON, timeout=30,

@@ -47,12 +47,27 @@ using pagedllm_vec::load16;
 
 constexpr int kMaxGroup = 4;
 
-// Asks for one block's rows of one KV head (row_bytes each) ahead of their use.
-template <typename T>
-inline void prefetch_block(const T* first_row, int64_t rows, int64_t token_stride, int64_t row_bytes) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const char* p = reinterpret_cast<const char*>(first_row + r * token_stride);
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+// Calls f(row, t) for the rows t = 0 .. context_len - 1 of one KV head (base points at the
+// head's first element in block 0), walking the block table; while a block is processed the
+// next block's rows (row_bytes each) are prefetched.
+template <typename T, typename F>
+inline void for_each_cached_row(const T* base, const int64_t* table, int64_t context_len,
+                                int64_t block_size, int64_t block_stride, int64_t token_stride,
+                                int64_t row_bytes, F&& f) {
+  const int64_t used_blocks = (context_len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < used_blocks; ++b) {
+    if (b + 1 < used_blocks) {
+      const char* next = reinterpret_cast<const char*>(base + table[b + 1] * block_stride);
+      for (int64_t r = 0; r < block_size; ++r) {
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+          _mm_prefetch(next + r * token_stride * sizeof(T) + off, _MM_HINT_T0);
+        }
+      }
+    }
+    const int64_t first = b * block_size;
+    const int64_t count = std::min(block_size, context_len - first);
+    const T* block = base + table[b] * block_stride;
+    for (int64_t slot = 0; slot < count; ++slot) f(block + slot * token_stride, first + slot);
   }
 }
 
@@ -73,25 +88,18 @@ void attend_group_avx512(const T* q, int64_t q_head_stride, const T* k_base, con
   }
   float max_score[kGroup];
   for (int g = 0; g < kGroup; ++g) max_score[g] = -std::numeric_limits<float>::infinity();
-  const int64_t used_blocks = (context_len + block_size - 1) / block_size;
-  for (int64_t b = 0; b < used_blocks; ++b) {
-    const int64_t first = b * block_size;
-    const int64_t count = std::min(block_size, context_len - first);
-    const T* k_block = k_base + table[b] * block_stride;
-    if (b + 1 < used_blocks) prefetch_block(k_base + table[b + 1] * block_stride, block_size, token_stride, kHeadDim * sizeof(T));
-    for (int64_t slot = 0; slot < count; ++slot) {
-      const T* k = k_block + slot * token_stride;
-      __m512 kv[kChunks];
-      for (int c = 0; c < kChunks; ++c) kv[c] = load16(k + 16 * c);
-      for (int g = 0; g < kGroup; ++g) {
-        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-        const float dot = _mm512_reduce_add_ps(acc);
-        scores[g * context_len + first + slot] = dot;
-        max_score[g] = std::max(max_score[g], dot);
-      }
+  for_each_cached_row(k_base, table, context_len, block_size, block_stride, token_stride,
+                      kHeadDim * sizeof(T), [&](const T* k, int64_t t) {
+    __m512 kv[kChunks];
+    for (int c = 0; c < kChunks; ++c) kv[c] = load16(k + 16 * c);
+    for (int g = 0; g < kGroup; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+      const float dot = _mm512_reduce_add_ps(acc);
+      scores[g * context_len + t] = dot;
+      max_score[g] = std::max(max_score[g], dot);
     }
-  }
+  });
   float inv_sum[kGroup];
   for (int g = 0; g < kGroup; ++g) {
     float* s = scores + g * context_len;
@@ -115,21 +123,15 @@ void attend_group_avx512(const T* q, int64_t q_head_stride, const T* k_base, con
   for (int g = 0; g < kGroup; ++g) {
     for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_setzero_ps();
   }
-  for (int64_t b = 0; b < used_blocks; ++b) {
-    const int64_t first = b * block_size;
-    const int64_t count = std::min(block_size, context_len - first);
-    const T* v_block = v_base + table[b] * block_stride;
-    if (b + 1 < used_blocks) prefetch_block(v_base + table[b + 1] * block_stride, block_size, token_stride, kHeadDim * sizeof(T));
-    for (int64_t slot = 0; slot < count; ++slot) {
-      const T* v = v_block + slot * token_stride;
-      __m512 vv[kChunks];
-      for (int c = 0; c < kChunks; ++c) vv[c] = load16(v + 16 * c);
-      for (int g = 0; g < kGroup; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * context_len + first + slot]);
-        for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
-      }
+  for_each_cached_row(v_base, table, context_len, block_size, block_stride, token_stride,
+                      kHeadDim * sizeof(T), [&](const T* v, int64_t t) {
+    __m512 vv[kChunks];
+    for (int c = 0; c < kChunks; ++c) vv[c] = load16(v + 16 * c);
+    for (int g = 0; g < kGroup; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * context_len + t]);
+      for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
     }
-  }
+  });
   for (int g = 0; g < kGroup; ++g) {
     T* o = out + g * kHeadDim;
     alignas(64) float tmp[kHeadDim];
