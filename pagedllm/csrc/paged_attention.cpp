@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -196,11 +197,16 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
           const T* k = k_base + kv_head * head_dim;
           const T* v = v_base + kv_head * head_dim;
           const int64_t block_stride = block_size * token_stride;
+          auto attend = [&](auto group_size) {
+            attend_group_avx512<T, kHeadDim, decltype(group_size)::value>(
+                q, q_head_stride, k, v, table, context_len, block_size, block_stride, token_stride,
+                scale, scores.data(), o);
+          };
           switch (std::min<int64_t>(kMaxGroup, group - g0)) {
-            case 1: attend_group_avx512<T, kHeadDim, 1>(q, q_head_stride, k, v, table, context_len, block_size, block_stride, token_stride, scale, scores.data(), o); break;
-            case 2: attend_group_avx512<T, kHeadDim, 2>(q, q_head_stride, k, v, table, context_len, block_size, block_stride, token_stride, scale, scores.data(), o); break;
-            case 3: attend_group_avx512<T, kHeadDim, 3>(q, q_head_stride, k, v, table, context_len, block_size, block_stride, token_stride, scale, scores.data(), o); break;
-            default: attend_group_avx512<T, kHeadDim, 4>(q, q_head_stride, k, v, table, context_len, block_size, block_stride, token_stride, scale, scores.data(), o); break;
+            case 1: attend(std::integral_constant<int, 1>{}); break;
+            case 2: attend(std::integral_constant<int, 2>{}); break;
+            case 3: attend(std::integral_constant<int, 3>{}); break;
+            default: attend(std::integral_constant<int, 4>{}); break;
           }
         }
         continue;

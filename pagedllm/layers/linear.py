@@ -1,7 +1,7 @@
 """Dense linear layer with its weight stored transposed, ``[in_features, out_features]``.
 
 ``torch.nn.functional.linear`` multiplies by a ``[out, in]`` weight through a transposed view,
-and on this CPU (torch 2.13, MKL) that path is 3-6x slower than a plain ``torch.mm`` by a
+and on this CPU (torch 2.13, MKL) that path is 3-4x slower than a plain ``torch.mm`` by a
 ``[in, out]`` contiguous weight at 8-32 rows, the batch sizes most decode steps run at
 (measured: ``bench/linear_layout.py``); at one row and at prefill sizes the two are equal. The
 layer therefore keeps only the transposed copy. The results are the same matmul in another
