@@ -34,6 +34,30 @@ namespace {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
+// Calls f(row, t) for the rows t = 0 .. context_len - 1 of one KV head (base points at the
+// head's first element in block 0), walking the block table; while a block is processed the
+// next block's rows (row_bytes each) are prefetched.
+template <typename T, typename F>
+inline void for_each_cached_row(const T* base, const int64_t* table, int64_t context_len,
+                                int64_t block_size, int64_t block_stride, int64_t token_stride,
+                                int64_t row_bytes, F&& f) {
+  const int64_t used_blocks = (context_len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < used_blocks; ++b) {
+    if (b + 1 < used_blocks) {
+      const char* next = reinterpret_cast<const char*>(base + table[b + 1] * block_stride);
+      for (int64_t r = 0; r < block_size; ++r) {
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+          __builtin_prefetch(next + r * token_stride * sizeof(T) + off, 0, 3);
+        }
+      }
+    }
+    const int64_t first = b * block_size;
+    const int64_t count = std::min(block_size, context_len - first);
+    const T* block = base + table[b] * block_stride;
+    for (int64_t slot = 0; slot < count; ++slot) f(block + slot * token_stride, first + slot);
+  }
+}
+
 #if defined(__AVX512F__)
 using pagedllm_vec::exp512;
 using pagedllm_vec::load16;
@@ -48,29 +72,6 @@ using pagedllm_vec::load16;
 
 constexpr int kMaxGroup = 4;
 
-// Calls f(row, t) for the rows t = 0 .. context_len - 1 of one KV head (base points at the
-// head's first element in block 0), walking the block table; while a block is processed the
-// next block's rows (row_bytes each) are prefetched.
-template <typename T, typename F>
-inline void for_each_cached_row(const T* base, const int64_t* table, int64_t context_len,
-                                int64_t block_size, int64_t block_stride, int64_t token_stride,
-                                int64_t row_bytes, F&& f) {
-  const int64_t used_blocks = (context_len + block_size - 1) / block_size;
-  for (int64_t b = 0; b < used_blocks; ++b) {
-    if (b + 1 < used_blocks) {
-      const char* next = reinterpret_cast<const char*>(base + table[b + 1] * block_stride);
-      for (int64_t r = 0; r < block_size; ++r) {
-        for (int64_t off = 0; off < row_bytes; off += 64) {
-          _mm_prefetch(next + r * token_stride * sizeof(T) + off, _MM_HINT_T0);
-        }
-      }
-    }
-    const int64_t first = b * block_size;
-    const int64_t count = std::min(block_size, context_len - first);
-    const T* block = base + table[b] * block_stride;
-    for (int64_t slot = 0; slot < count; ++slot) f(block + slot * token_stride, first + slot);
-  }
-}
 
 // Attention of kGroup query heads (consecutive, sharing one KV head) over one sequence.
 // q: first head's query, q_head_stride apart; k/v_base point at the KV head's first element
@@ -162,6 +163,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t q_seq_stride = query.stride(0);
   const int64_t q_head_stride = query.stride(1);
   const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * token_stride;
 
   const T* q_base = query.data_ptr<T>();
   const T* k_base = key_cache.data_ptr<T>();
@@ -196,7 +198,6 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
           T* o = out_base + (seq * num_heads + head) * head_dim;
           const T* k = k_base + kv_head * head_dim;
           const T* v = v_base + kv_head * head_dim;
-          const int64_t block_stride = block_size * token_stride;
           auto attend = [&](auto group_size) {
             attend_group_avx512<T, kHeadDim, decltype(group_size)::value>(
                 q, q_head_stride, k, v, table, context_len, block_size, block_stride, token_stride,
@@ -222,19 +223,14 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         for (int64_t d = 0; d < head_dim; ++d) qf[d] = to_float(q[d]) * scale;
 
         float max_score = -std::numeric_limits<float>::infinity();
-        for (int64_t b = 0; b < used_blocks; ++b) {
-          const int64_t first = b * block_size;
-          const int64_t count = std::min(block_size, context_len - first);
-          const T* k_block = k_base + table[b] * block_size * token_stride + kv_head * head_dim;
-          for (int64_t slot = 0; slot < count; ++slot) {
-            const T* k = k_block + slot * token_stride;
-            float dot = 0.f;
+        for_each_cached_row(k_base + kv_head * head_dim, table, context_len, block_size, block_stride,
+                            token_stride, head_dim * sizeof(T), [&](const T* k, int64_t t) {
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qf[d] * to_float(k[d]);
-            scores[first + slot] = dot;
-            max_score = std::max(max_score, dot);
-          }
-        }
+          for (int64_t d = 0; d < head_dim; ++d) dot += qf[d] * to_float(k[d]);
+          scores[t] = dot;
+          max_score = std::max(max_score, dot);
+        });
         // Max-subtracted softmax, as torch's.
         float sum = 0.f;
         for (int64_t t = 0; t < context_len; ++t) {
@@ -244,17 +240,12 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
 
         float* a = acc.data();
         for (int64_t d = 0; d < head_dim; ++d) a[d] = 0.f;
-        for (int64_t b = 0; b < used_blocks; ++b) {
-          const int64_t first = b * block_size;
-          const int64_t count = std::min(block_size, context_len - first);
-          const T* v_block = v_base + table[b] * block_size * token_stride + kv_head * head_dim;
-          for (int64_t slot = 0; slot < count; ++slot) {
-            const T* v = v_block + slot * token_stride;
-            const float p = scores[first + slot];
+        for_each_cached_row(v_base + kv_head * head_dim, table, context_len, block_size, block_stride,
+                            token_stride, head_dim * sizeof(T), [&](const T* v, int64_t t) {
+          const float p = scores[t];
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
-          }
-        }
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
+        });
         const float inv_sum = 1.f / sum;
         T* o = out_base + (seq * num_heads + head) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(a[d] * inv_sum);
