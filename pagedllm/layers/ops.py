@@ -23,7 +23,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "quant_gemm.cpp"]
 HEADERS = [CSRC / "cpu_vec.h"]
 
 

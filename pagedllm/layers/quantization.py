@@ -1,5 +1,5 @@
 """Weight-only quantization of the linear layers: ``int8`` (per output channel) and ``int4``
-(group-wise asymmetric, group 32), with torch's CPU weight-only kernels.
+(group-wise asymmetric, group 32), with pagedllm's C++ kernels for decode batches.
 
 Formats (``W`` is a ``[N, K]`` weight, ``N`` output features, ``K`` input features):
 
@@ -12,17 +12,14 @@ Formats (``W`` is a ``[N, K]`` weight, ``N`` output features, ``K`` input featur
   re-quantizing (``int4_from_q4_1``, ``int4_from_q4_k``). Any other weight is quantized with
   the group's min/max (``quantize_int4``).
 
-Kernels (measured by ``bench/quant_matmul.py``): ``torch.ops.aten._weight_int8pack_mm`` and
-``_weight_int4pack_mm_for_cpu`` are vectorized only for bf16/fp16 activations (their fp32 path
-is about 10x slower here) and compute one row of ``x`` at a time, so they win for decode-sized
-batches and lose for prefill chunks. Measured on the 2-core AVX-512 machine (1 thread, time
-relative to fp32 ``F.linear``): at 1-4 rows int8 0.15-0.8x, int4 0.1-0.5x; at 16 rows about
-1x; at 64-256 rows int8 1.9-3.8x, int4 1.2-3.2x. ``Int8Linear`` therefore runs the kernel
-for at most ``KERNEL_MAX_ROWS`` rows and otherwise dequantizes (1.4-2.3x at 256 rows);
-``Int4Linear`` always runs the kernel, since unpacking its tiled layout with torch ops costs
-more than the kernel's own prefill (4x fp32 at 256 rows).
-The int4 kernel's format stores ``(q - 8) * scale + zero`` with ``zero = min + 8 * scale`` and
-scale/zero in bf16; both paths read those bf16 values, so they agree with each other.
+Kernels (``pagedllm/csrc/quant_gemm.cpp``, measured by ``bench/quant_matmul.py``): for up to
+``KERNEL_MAX_ROWS`` rows of ``x`` (decode batches) the C++ ops ``int8_linear`` / ``int4_linear``
+read the stored codes and convert them to fp32 in registers, so a step reads 1 (int8) or ~0.75
+(int4, with its fp32 scales and mins) bytes per weight instead of 4; activations and
+accumulation stay fp32. Larger batches (prefill chunks) are compute-bound and dequantize the
+weight, then call the fp32 GEMM. torch's own weight-only kernels (``_weight_int8pack_mm``,
+``_weight_int4pack_mm_for_cpu``) were slower at every batch size here: they are vectorized
+for bf16 activations only, and this CPU has no bf16 arithmetic.
 """
 
 from __future__ import annotations
@@ -36,14 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.ops import native_ops
 
 QUANTIZATION_METHODS = ("int8", "int4")
 INT4_GROUP_SIZE = 32
-# Rows of x up to which the weight-only kernels beat dequantize-then-matmul (bench/quant_matmul.py).
-KERNEL_MAX_ROWS = 16
-# _convert_weight_to_int4pack_for_cpu tiles output channels by 64: rows n and n + 32 of each
-# 64-row tile share a byte (low / high nibble), one 32-byte run per input feature.
-_INT4_TILE_ROWS = 64
+# Rows of x up to which the quantized kernels beat dequantize-then-matmul (bench/quant_matmul.py).
+KERNEL_MAX_ROWS = 64
 
 
 @dataclass
@@ -163,7 +158,6 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = codes.shape
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", scales.float().contiguous())
-        self.register_buffer("scales_bf16", scales.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach())
 
     @classmethod
@@ -175,34 +169,31 @@ class Int8Linear(nn.Module):
         return (self.codes.float() * self.scales[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= KERNEL_MAX_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales_bf16).to(x.dtype)
-        else:
-            y = F.linear(x, self.dequantize(x.dtype))
+        ops = _kernel_ops(x, self.in_features)
+        if ops is not None:
+            bias = None if self.bias is None else self.bias.float()
+            return ops.int8_linear(x.float().contiguous(), self.codes, self.scales, bias).to(x.dtype)
+        y = torch.mm(x, self.dequantize(x.dtype).t())
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
 class Int4Linear(nn.Module):
-    """``y = x @ W.T + bias`` with ``W`` group-32 asymmetric 4-bit in torch's CPU packed layout.
+    """``y = x @ W.T + bias`` with ``W`` group-32 asymmetric 4-bit, ``W = scales * q + mins``.
 
-    Holds ``packed`` (``[N_pad, K / 2]`` uint8, ``N_pad`` = ``N`` rounded up to 64 with zero
-    rows) and ``scales_and_zeros`` (``[K / 32, N_pad, 2]`` bf16). ``forward`` takes ``x``
-    ``[M, K]`` (fp32 or bf16) and returns ``[M, N]`` in ``x``'s dtype.
+    Holds ``packed`` (``[N, K / 2]`` uint8: in each 32-weight group, byte ``i`` has weight ``i``
+    in its low nibble and weight ``i + 16`` in its high nibble, GGUF ``Q4_1``'s order) and
+    ``scales``, ``mins`` (``[N, K / 32]`` fp32). ``forward`` takes ``x`` ``[M, K]`` (fp32 or
+    bf16) and returns ``[M, N]`` in ``x``'s dtype.
     """
 
     def __init__(self, weight: Int4Weight, bias: Optional[torch.Tensor]) -> None:
         super().__init__()
         n, k = weight.codes.shape
         self.out_features, self.in_features = n, k
-        pad = -n % _INT4_TILE_ROWS
-        codes, scales, mins = weight.codes, weight.scales, weight.mins
-        if pad:
-            codes = F.pad(codes, (0, 0, 0, pad))
-            scales, mins = F.pad(scales, (0, 0, 0, pad)), F.pad(mins, (0, 0, 0, pad))
-        zeros = mins + 8.0 * scales
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
-        self.register_buffer("scales_and_zeros",
-                             torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous())
+        halves = weight.codes.view(n, k // INT4_GROUP_SIZE, 2, INT4_GROUP_SIZE // 2)
+        self.register_buffer("packed", (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous())
+        self.register_buffer("scales", weight.scales.float().contiguous())
+        self.register_buffer("mins", weight.mins.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach())
 
     @classmethod
@@ -210,22 +201,26 @@ class Int4Linear(nn.Module):
         return cls(quantize_int4(weight), bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The ``[N, K]`` weight the layer multiplies by (bf16 scale/zero applied), in ``dtype``."""
-        n_pad = self.packed.shape[0]
-        k = self.in_features
-        tiles = self.packed.view(n_pad // _INT4_TILE_ROWS, k, _INT4_TILE_ROWS // 2)
-        codes = torch.cat([tiles & 0x0F, tiles >> 4], dim=-1).transpose(1, 2).reshape(n_pad, k)
-        groups = codes.view(n_pad, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE).to(dtype) - 8
-        scales = self.scales_and_zeros[..., 0].t().to(dtype)[..., None]
-        zeros = self.scales_and_zeros[..., 1].t().to(dtype)[..., None]
-        return (groups * scales + zeros).view(n_pad, k)[:self.out_features]
+        """The ``[N, K]`` weight the layer multiplies by, in ``dtype``."""
+        n, k = self.out_features, self.in_features
+        packed = self.packed.view(n, k // INT4_GROUP_SIZE, 1, INT4_GROUP_SIZE // 2)
+        codes = torch.cat([packed & 0x0F, packed >> 4], dim=2).view(n, k).contiguous()
+        return Int4Weight(codes, self.scales, self.mins).dequantize().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, INT4_GROUP_SIZE,
-                                                        self.scales_and_zeros).to(x.dtype)
-        if y.shape[-1] != self.out_features:
-            y = y[:, :self.out_features]
+        ops = _kernel_ops(x, self.in_features)
+        if ops is not None:
+            bias = None if self.bias is None else self.bias.float()
+            return ops.int4_linear(x.float().contiguous(), self.packed, self.scales, self.mins, bias).to(x.dtype)
+        y = torch.mm(x, self.dequantize(x.dtype).t())
         return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+def _kernel_ops(x: torch.Tensor, in_features: int):
+    """The C++ ops when ``x`` is a decode-sized batch they handle, else None (dequantize)."""
+    if x.dim() != 2 or x.shape[0] > KERNEL_MAX_ROWS or in_features % INT4_GROUP_SIZE:
+        return None
+    return native_ops()
 
 
 def quantize_model(model: nn.Module, method: str,
