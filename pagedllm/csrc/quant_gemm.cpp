@@ -4,7 +4,8 @@
 // (SmolLM2: 540 MB of fp32 weights per step against ~25 GB/s), which is what int8 (4x fewer
 // bytes) and int4 (~6x) cut. The formats are those of pagedllm/layers/quantization.py:
 //
-//   int8: W[n, k] = scales[n] * q[n, k], q int8 [N, K] row-major, scales fp32 [N].
+//   int8: W[n, k] = scales[n] * q[n, k], q int8 [N, K] row-major, scales fp32 [N]; or grouped
+//         (the LM head), W[n, k] = scales[n, k / 32] * q[n, k], scales fp32 [N, K / 32].
 //   int4: W[n, k] = scales[n, g] * q[n, k] + mins[n, g] for g = k / 32, q in [0, 15] packed
 //         [N, K / 2] uint8 with GGUF Q4_1's order inside each 32-weight group: byte i holds
 //         weight i (low nibble) and weight i + 16 (high nibble); scales, mins fp32 [N, K / 32].
@@ -80,9 +81,12 @@ inline void store_tile(float* y, int64_t n, int64_t n0, const __m512 (&acc)[kRow
   }
 }
 
-template <int R, int C>
+// Grouped: scales [N, K / 32], applied to each 32-weight group before the FMA; else scales [N],
+// applied once to the sum.
+template <int R, int C, bool Grouped>
 void int8_tile(const float* x, const int8_t* q, const float* scales, const float* bias, float* y, int64_t k,
                int64_t n, int64_t n0) {
+  const int64_t groups = k / kGroup;
   __m512 acc[kRowTile][kChannelTile];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < C; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -93,10 +97,11 @@ void int8_tile(const float* x, const int8_t* q, const float* scales, const float
       // The next channel tile's rows, one tile ahead (prefetch never faults past the end).
       _mm_prefetch(reinterpret_cast<const char*>(q + (n0 + C + j) * k + k0), _MM_HINT_T0);
       w[j] = int8x16(q + (n0 + j) * k + k0);
+      if constexpr (Grouped) w[j] = _mm512_mul_ps(w[j], _mm512_set1_ps(scales[(n0 + j) * groups + k0 / kGroup]));
     }
     fma_tile<R, C>(acc, x, k, k0, w);
   }
-  store_tile<R, C>(y, n, n0, acc, scales, bias);
+  store_tile<R, C>(y, n, n0, acc, Grouped ? nullptr : scales, bias);
 }
 
 template <int R, int C>
@@ -160,15 +165,19 @@ const float* optional_ptr(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
-// y [M, N] fp32 = x [M, K] fp32 @ (scales[:, None] * codes).T + bias.
+// y [M, N] fp32 = x [M, K] fp32 @ (scales * codes).T + bias, scales per channel [N] or per
+// channel and 32-weight group [N, K / 32] (GGUF Q8_0's grouping).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
                     "int8_linear: codes must be a contiguous int8 [N, K] tensor");
   const int64_t m = x.size(0), n = codes.size(0), k = codes.size(1);
   check_common(x, k, bias, n, "int8_linear");
-  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n,
-                    "int8_linear: scales must be float32 [", n, "]");
+  const bool grouped = scales.dim() == 2;
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == n &&
+                        (scales.dim() == 1 || (grouped && scales.size(1) == k / kGroup)),
+                    "int8_linear: scales must be float32 [", n, "] or [", n, ", ", k / kGroup, "], got ",
+                    scales.sizes());
   at::Tensor y = at::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = codes.data_ptr<int8_t>();
@@ -178,7 +187,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 #if defined(__AVX512F__)
   for_each_tile(m, n, [&](auto channels, int64_t rows, int64_t row0, int64_t n0) {
     constexpr int C = decltype(channels)::value;
-#define CALL(R, C) int8_tile<R, C>(xp + row0 * k, qp, sp, bp, yp + row0 * n, k, n, n0)
+#define CALL(R, C)                                                                    \
+  if (grouped) int8_tile<R, C, true>(xp + row0 * k, qp, sp, bp, yp + row0 * n, k, n, n0); \
+  else int8_tile<R, C, false>(xp + row0 * k, qp, sp, bp, yp + row0 * n, k, n, n0)
     PAGEDLLM_ROWS_DISPATCH(rows, C, CALL)
 #undef CALL
   });
@@ -187,8 +198,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
     for (int64_t r = 0; r < m; ++r) {
       for (int64_t c = begin; c < end; ++c) {
         float sum = 0.f;
-        for (int64_t i = 0; i < k; ++i) sum += xp[r * k + i] * static_cast<float>(qp[c * k + i]);
-        yp[r * n + c] = sum * sp[c] + (bp ? bp[c] : 0.f);
+        for (int64_t i = 0; i < k; ++i) {
+          const float scale = grouped ? sp[c * (k / kGroup) + i / kGroup] : 1.f;
+          sum += xp[r * k + i] * (static_cast<float>(qp[c * k + i]) * scale);
+        }
+        yp[r * n + c] = (grouped ? sum : sum * sp[c]) + (bp ? bp[c] : 0.f);
       }
     }
   });

@@ -72,16 +72,27 @@ class Int4Weight:
         return Int4Weight(self.codes[index], self.scales[index], self.mins[index])
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: ``[N, K]`` float -> (``[N, K]`` int8, ``[N]`` fp32 scales).
+def quantize_int8(weight: torch.Tensor, grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8: ``[N, K]`` float -> (``[N, K]`` int8 codes, fp32 scales).
 
-    A row of zeros gets scale 1 (its codes are 0 either way).
+    Scales are ``[N]`` (``absmax`` of each output channel / 127) or, with ``grouped``,
+    ``[N, K / 32]`` per 32-weight group: GGUF ``Q8_0``'s recipe (llama.cpp
+    ``quantize_row_q8_0``), so a weight dequantized from a ``Q8_0`` file gets its own codes and
+    scales back exactly. A group or row of zeros gets scale 1 (its codes are 0 either way).
+
+    Raises:
+        ValueError: ``grouped`` and ``K`` is not a multiple of 32.
     """
     weight = weight.float()
-    scales = weight.abs().amax(dim=1) / 127.0
+    n, k = weight.shape
+    if grouped:
+        if k % INT4_GROUP_SIZE:
+            raise ValueError(f"grouped int8 needs in_features divisible by {INT4_GROUP_SIZE}, got {k}")
+        weight = weight.view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+    scales = weight.abs().amax(dim=-1) / 127.0
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    codes = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return codes, scales
+    codes = torch.round(weight / scales[..., None]).clamp_(-127, 127).to(torch.int8)
+    return codes.view(n, k), scales
 
 
 def quantize_int4(weight: torch.Tensor) -> Int4Weight:
@@ -148,7 +159,8 @@ def int4_from_q4_k(blocks: np.ndarray, shape: tuple[int, int]) -> Int4Weight:
 
 
 class Int8Linear(nn.Module):
-    """``y = x @ (scales * q).T + bias`` with int8 ``q`` ``[N, K]`` and fp32 ``scales`` ``[N]``.
+    """``y = x @ (scales * q).T + bias`` with int8 ``q`` ``[N, K]`` and fp32 ``scales``, ``[N]``
+    per output channel or ``[N, K / 32]`` per 32-weight group (``quantize_int8``).
 
     ``forward`` takes ``x`` ``[M, K]`` (fp32 or bf16) and returns ``[M, N]`` in ``x``'s dtype.
     """
@@ -161,12 +173,20 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach())
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "Int8Linear":
-        return cls(*quantize_int8(weight), bias)
+    def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], grouped: bool = False) -> "Int8Linear":
+        return cls(*quantize_int8(weight, grouped), bias)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``index`` (``[T]`` int64) of the weight, ``[T, K]`` in ``dtype`` (an embedding lookup)."""
+        codes, scales = self.codes[index].float(), self.scales[index]
+        if scales.dim() == 1:
+            return (codes * scales[:, None]).to(dtype)
+        groups = codes.view(len(index), -1, INT4_GROUP_SIZE) * scales[..., None]
+        return groups.view(len(index), self.in_features).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``[N, K]`` weight the layer multiplies by, in ``dtype``."""
-        return (self.codes.float() * self.scales[:, None]).to(dtype)
+        return self.rows(torch.arange(self.out_features), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = _kernel_ops(x, self.in_features)
@@ -216,6 +236,19 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
+class Int8Embedding(nn.Module):
+    """A token embedding that looks up rows of a grouped ``Int8Linear`` (the LM head's, when
+    the two are tied, so one int8 copy serves both). ``forward``: ``[T]`` int64 ids ->
+    ``[T, hidden]`` in ``dtype``."""
+
+    def __init__(self, table: Int8Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(input_ids, self.dtype)
+
+
 def _kernel_ops(x: torch.Tensor, in_features: int):
     """The C++ ops when ``x`` is a decode-sized batch they handle, else None (dequantize)."""
     if x.dim() != 2 or x.shape[0] > KERNEL_MAX_ROWS or in_features % INT4_GROUP_SIZE:
@@ -227,9 +260,12 @@ def quantize_model(model: nn.Module, method: str,
                    prequantized: Optional[dict[str, Int4Weight]] = None) -> None:
     """Replace every linear layer of the decoder layers by its quantized form, in place.
 
-    The token embedding and the LM head stay in the compute dtype, as in vLLM: with them in
-    per-row int8 the int4 SmolLM2 no longer answers "What is the capital of France?" with
-    Paris (its logits moved 2.7% against 0.3% from the int4 layers alone).
+    The token embedding and the LM head become int8 with a scale per 32-weight group (one
+    copy when tied): at one decode token the fp32 head was as many bytes as all the decoder
+    layers in int8. Per-channel int8 there was too coarse (the int4 SmolLM2 stopped answering
+    "What is the capital of France?" with Paris: its logits moved 2.7% against 0.3% from the
+    int4 layers alone); per group it is GGUF ``Q8_0``, the type SmolLM2's file stores its
+    embedding in, so that file's values are kept exactly.
 
     Args:
         model: a ``LlamaForCausalLM`` (or subclass) with weights installed.
@@ -262,6 +298,11 @@ def quantize_model(model: nn.Module, method: str,
         attn.o_proj = convert(attn.o_proj, [p + "self_attn.o_proj.weight"])
         mlp.gate_up_proj = convert(mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
         mlp.down_proj = convert(mlp.down_proj, [p + "mlp.down_proj.weight"])
+    tied = model.embed_tokens.weight.untyped_storage().data_ptr() == model.lm_head.weight_t.untyped_storage().data_ptr()
+    embedding = model.embed_tokens.weight
+    model.lm_head = Int8Linear.from_float(model.lm_head.weight, model.lm_head.bias, grouped=True)
+    table = model.lm_head if tied else Int8Linear.from_float(embedding, None, grouped=True)
+    model.embed_tokens = Int8Embedding(table, model.dtype)
     model.quantization = method
 
 
