@@ -20,8 +20,9 @@
 #include <type_traits>
 
 #include "cpu_vec.h"
+#include "ops.h"
 
-namespace {
+namespace pagedllm {
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -231,14 +232,14 @@ void reshape_and_cache_(const at::Tensor& key, const at::Tensor& value, at::Tens
   });
 }
 
-}  // namespace
+}  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
-  m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &add_rms_norm_);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &pagedllm::rms_norm);
+  m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", &pagedllm::add_rms_norm_);
   m.def("rotary_embedding_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int num_q_heads, "
-        "int num_kv_heads, int head_dim) -> ()", &rotary_embedding_);
-  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+        "int num_kv_heads, int head_dim) -> ()", &pagedllm::rotary_embedding_);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &pagedllm::silu_and_mul);
   m.def("reshape_and_cache_(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-        "Tensor slot_mapping) -> ()", &reshape_and_cache_);
+        "Tensor slot_mapping) -> ()", &pagedllm::reshape_and_cache_);
 }

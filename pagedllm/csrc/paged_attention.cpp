@@ -28,8 +28,9 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "ops.h"
 
-namespace {
+namespace pagedllm {
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -299,10 +300,10 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
-}  // namespace
+}  // namespace pagedllm
 
 TORCH_LIBRARY(pagedllm, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor context_lens, float scale) -> Tensor",
-        &paged_decode_attention);
+        &pagedllm::paged_decode_attention);
 }

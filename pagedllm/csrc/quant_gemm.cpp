@@ -25,8 +25,9 @@
 #include <optional>
 
 #include "cpu_vec.h"
+#include "ops.h"
 
-namespace {
+namespace pagedllm {
 
 constexpr int64_t kRowTile = 4;      // rows of x per register tile
 constexpr int64_t kChannelTile = 4;  // output channels per register tile
@@ -256,9 +257,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
-}  // namespace
+}  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor", &int8_linear);
-  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias) -> Tensor", &int4_linear);
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor", &pagedllm::int8_linear);
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias) -> Tensor", &pagedllm::int4_linear);
 }

@@ -50,6 +50,10 @@ class Linear(nn.Module):
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
 
+    def kernel_args(self) -> list[torch.Tensor]:
+        """The tensors the C++ ``decode_layer`` op multiplies by: ``[weight_t]`` (+ ``bias``)."""
+        return [self.weight_t] + ([] if self.bias is None else [self.bias])
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp", CSRC / "quant_gemm.cpp"]
-HEADERS = [CSRC / "cpu_vec.h"]
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "quant_gemm.cpp", "decoder_layer.cpp")]
+HEADERS = [CSRC / "cpu_vec.h", CSRC / "ops.h"]
 
 
 @functools.lru_cache(maxsize=1)

@@ -176,6 +176,10 @@ class Int8Linear(nn.Module):
     def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], grouped: bool = False) -> "Int8Linear":
         return cls(*quantize_int8(weight, grouped), bias)
 
+    def kernel_args(self) -> list[torch.Tensor]:
+        """The tensors the C++ ``decode_layer`` op takes: ``[codes, scales]`` (+ fp32 ``bias``)."""
+        return [self.codes, self.scales] + ([] if self.bias is None else [self.bias.float()])
+
     def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``index`` (``[T]`` int64) of the weight, ``[T, K]`` in ``dtype`` (an embedding lookup)."""
         codes, scales = self.codes[index].float(), self.scales[index]
@@ -219,6 +223,10 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "Int4Linear":
         return cls(quantize_int4(weight), bias)
+
+    def kernel_args(self) -> list[torch.Tensor]:
+        """The tensors the C++ ``decode_layer`` op takes: ``[packed, scales, mins]`` (+ fp32 ``bias``)."""
+        return [self.packed, self.scales, self.mins] + ([] if self.bias is None else [self.bias.float()])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``[N, K]`` weight the layer multiplies by, in ``dtype``."""
@@ -304,6 +312,7 @@ def quantize_model(model: nn.Module, method: str,
     table = model.lm_head if tied else Int8Linear.from_float(embedding, None, grouped=True)
     model.embed_tokens = Int8Embedding(table, model.dtype)
     model.quantization = method
+    model.decode_layer_args = None
 
 
 def weight_bytes(model: nn.Module) -> int:

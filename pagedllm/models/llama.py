@@ -16,7 +16,8 @@ from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata, paged_attention
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.ops import add_rms_norm_, rms_norm, rotary_embedding_, silu_and_mul
+from pagedllm.layers.ops import add_rms_norm_, native_ops, rms_norm, rotary_embedding_, silu_and_mul
+from pagedllm.layers.quantization import KERNEL_MAX_ROWS
 
 
 @dataclass
@@ -136,6 +137,13 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.mlp(self.post_attention_layernorm(hidden, residual))
         return hidden, residual
 
+    def decode_layer_args(self) -> tuple:
+        """This layer's weights in the order of the C++ ``decode_layer`` op's leading arguments."""
+        attn, mlp = self.self_attn, self.mlp
+        return (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
+                attn.qkv_proj.kernel_args(), attn.o_proj.kernel_args(), mlp.gate_up_proj.kernel_args(),
+                mlp.down_proj.kernel_args())
+
 
 class LlamaForCausalLM(nn.Module):
     """The whole decoder. Weights are loaded with ``load_hf_state_dict``.
@@ -153,6 +161,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
+        # Per-layer weights for the C++ decode path, gathered on first use (None: not yet, or
+        # modules were replaced since); ``fused_decode = False`` forces the Python layers.
+        self.decode_layer_args: Optional[list[tuple]] = None
+        self.fused_decode = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -162,9 +174,32 @@ class LlamaForCausalLM(nn.Module):
         Returns: ``[num_tokens, hidden_size]`` final-normed hidden states.
         """
         hidden, residual = self.embed_tokens(input_ids), None
+        ops = self._decode_layer_ops(metadata, hidden.shape[0])
+        if ops is not None:
+            # A pure decode step: each layer is one C++ call running the same ops as the Python
+            # layers below (pagedllm/csrc/decoder_layer.cpp), so results are identical.
+            if self.decode_layer_args is None:
+                self.decode_layer_args = [layer.decode_layer_args() for layer in self.layers]
+            attn = self.layers[0].self_attn
+            for args, (key_cache, value_cache) in zip(self.decode_layer_args, kv_caches):
+                hidden, residual = ops.decode_layer(
+                    hidden, residual, *args, positions, self.rotary.cos, self.rotary.sin, attn.num_heads,
+                    attn.num_kv_heads, attn.head_dim, attn.scale, key_cache, value_cache,
+                    metadata.slot_mapping, metadata.decode_block_tables, metadata.decode_context_lens)
+            return self.norm(hidden, residual)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.rotary)
         return self.norm(hidden, residual)
+
+    def _decode_layer_ops(self, metadata: AttentionMetadata, num_tokens: int):
+        """The C++ ops when this step can run through ``decode_layer``, else None: one token
+        per sequence, and for quantized weights fp32 activations and a batch the quantized
+        kernels take (``KERNEL_MAX_ROWS``)."""
+        if not self.fused_decode or metadata.prefills or metadata.num_decode_tokens != num_tokens or not num_tokens:
+            return None
+        if getattr(self, "quantization", None) and (self.dtype != torch.float32 or num_tokens > KERNEL_MAX_ROWS):
+            return None
+        return native_ops()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[num_rows, hidden_size]`` -> ``[num_rows, vocab_size]`` fp32 logits."""
@@ -198,6 +233,7 @@ class LlamaForCausalLM(nn.Module):
             setattr(module, attr, nn.Parameter(value.to(dtype).contiguous(), requires_grad=False))
 
         self.dtype = dtype  # the compute (and KV cache) dtype, also once weights are quantized
+        self.decode_layer_args = None
         put(self.embed_tokens, "weight", take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         put(self.norm, "weight", take("model.norm.weight"), "model.norm.weight")
         for i, layer in enumerate(self.layers):

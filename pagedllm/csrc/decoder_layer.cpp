@@ -1,0 +1,81 @@
+// One decoder layer of a decode step (one new token per sequence) as a single op: the same C++
+// ops in the same order as LlamaDecoderLayer.forward in pagedllm/models/llama.py, so the results
+// are bitwise those of the Python path; what goes away is ~10 Python-level op and module calls
+// per layer (about 5 ms of a 16 ms single-stream step on this machine, bench/README.md).
+//
+// A linear layer arrives as a tensor list whose first element's dtype says its kind (the
+// attributes of pagedllm/layers/linear.py and quantization.py), with an optional trailing bias:
+//   float / bfloat16: [weight_t [in, out]] (+ bias)        -> mm / addmm
+//   int8:             [codes [N, K], scales] (+ bias)       -> int8_linear
+//   uint8 (int4):     [packed [N, K/2], scales, mins] (+ bias) -> int4_linear
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+namespace pagedllm {
+namespace {
+
+at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& params) {
+  TORCH_CHECK_VALUE(!params.empty(), "decode_layer: a linear layer needs its weight");
+  const at::Tensor& first = params[0];
+  auto bias_at = [&](size_t index) -> std::optional<at::Tensor> {
+    return params.size() > index ? std::optional<at::Tensor>(params[index]) : std::nullopt;
+  };
+  switch (first.scalar_type()) {
+    case at::kChar:
+      return int8_linear(x, first, params.at(1), bias_at(2));
+    case at::kByte:
+      return int4_linear(x, first, params.at(1), params.at(2), bias_at(3));
+    default:
+      return params.size() > 1 ? at::addmm(params[1], x, first) : at::mm(x, first);
+  }
+}
+
+// Returns (sub-layer output not yet added to the residual stream, residual stream). residual is
+// None for the first layer, whose input is the embedding (then that tensor becomes the stream).
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& hidden, const std::optional<at::Tensor>& residual_in, const at::Tensor& input_norm,
+    const at::Tensor& post_attention_norm, double eps, const std::vector<at::Tensor>& qkv_proj,
+    const std::vector<at::Tensor>& o_proj, const std::vector<at::Tensor>& gate_up_proj,
+    const std::vector<at::Tensor>& down_proj, const at::Tensor& positions, const at::Tensor& cos,
+    const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+    at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& context_lens) {
+  const int64_t tokens = hidden.size(0);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  at::Tensor residual;
+  at::Tensor x;
+  if (residual_in.has_value()) {
+    residual = *residual_in;
+    x = add_rms_norm_(hidden, residual, input_norm, eps);
+  } else {
+    residual = hidden;
+    x = rms_norm(hidden, input_norm, eps);
+  }
+  at::Tensor qkv = linear(x, qkv_proj);
+  rotary_embedding_(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim);
+  reshape_and_cache_(qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size), key_cache,
+                     value_cache, slot_mapping);
+  const at::Tensor query = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+  const at::Tensor attn = paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale);
+  const at::Tensor attn_out = linear(attn.view({tokens, q_size}), o_proj);
+  x = add_rms_norm_(attn_out, residual, post_attention_norm, eps);
+  return {linear(silu_and_mul(linear(x, gate_up_proj)), down_proj), residual};
+}
+
+}  // namespace
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("decode_layer(Tensor hidden, Tensor(a!)? residual, Tensor input_norm, Tensor post_attention_norm, "
+        "float eps, Tensor[] qkv_proj, Tensor[] o_proj, Tensor[] gate_up_proj, Tensor[] down_proj, "
+        "Tensor positions, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim, "
+        "float scale, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens) -> (Tensor, Tensor)",
+        &pagedllm::decode_layer);
+}

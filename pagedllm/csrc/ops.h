@@ -1,0 +1,27 @@
+// The C++ ops, callable from one another (decoder_layer.cpp runs a whole decode layer through
+// them). Each is also registered as torch.ops.pagedllm.<name>; see the defining file for the
+// semantics: fused_ops.cpp, paged_attention.cpp, quant_gemm.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace pagedllm {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+void rotary_embedding_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                       int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim);
+at::Tensor silu_and_mul(const at::Tensor& x);
+void reshape_and_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                        at::Tensor& value_cache, const at::Tensor& slot_mapping);
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& mins, const std::optional<at::Tensor>& bias);
+
+}  // namespace pagedllm
