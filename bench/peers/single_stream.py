@@ -1,0 +1,94 @@
+"""Single-stream decode, pagedllm (unquantized, int8, int4) against llama.cpp on a bf16 GGUF of
+the same weights, each run in a fresh process, alternated ``--repeats`` times.
+
+    /work/venv/bin/python bench/peers/single_stream.py [--repeats 2] [--llama-venv V] [--gguf F]
+
+Prompt: the first 256 tokens of the shipped text (pagedllm's tokenizer), 128 new tokens,
+greedy, EOS ignored; decode speed is the rate after the first token on both sides. pagedllm
+runs with prefix caching off; each run also reports its weight bytes and the KV blocks that a
+1 GiB budget for weights + KV leaves room for. Needs ``setup_llama_cpp.sh``'s venv and GGUF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from compare import run_one
+
+HERE = Path(__file__).resolve().parent
+BUDGET = 1 << 30
+CONFIGS = ["none", "int8", "int4"]
+
+
+def pagedllm_worker(prompt_path: str, quantization: str) -> None:
+    """One pagedllm single-stream run (in its own process); prints RESULT."""
+    from pagedllm import LLM
+    from pagedllm.benchmarks.throughput import single_stream_pagedllm
+
+    data = json.loads(Path(prompt_path).read_text())
+    start = time.perf_counter()
+    llm = LLM(quantization=None if quantization == "none" else quantization, enable_prefix_caching=False,
+              kv_cache_memory_bytes=BUDGET)
+    startup_s = time.perf_counter() - start
+    engine = llm.llm_engine
+    single_stream_pagedllm(llm, data["warmup_token_ids"], 4)
+    ttft, rate = single_stream_pagedllm(llm, data["prompt_token_ids"], data["new_tokens"])
+    print("RESULT " + json.dumps({
+        "system": f"pagedllm {quantization}", "startup_s": round(startup_s, 1),
+        "single_stream_ttft_s": round(ttft, 4), "single_stream_decode_tokens_per_s": round(rate, 2),
+        "weight_bytes": engine.weight_bytes,
+        "kv_blocks": max(0, (BUDGET - engine.weight_bytes) // engine._bytes_per_block()),
+        "dtype": str(engine.model.dtype)}), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--llama-venv", default="/tmp/peers/llama-venv")
+    parser.add_argument("--gguf", default="/tmp/peers/smollm2-bf16.gguf", help="bf16 GGUF for llama.cpp")
+    parser.add_argument("--workdir", default="/tmp/peers")
+    parser.add_argument("--worker", nargs=2, metavar=("PROMPT_JSON", "QUANTIZATION"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        pagedllm_worker(*args.worker)
+        return 0
+
+    from pagedllm.benchmarks.throughput import TEXT_PATH
+    from pagedllm.models.loader import load_tokenizer, resolve_model_path
+
+    tokens = load_tokenizer(resolve_model_path(None)).encode(TEXT_PATH.read_text(), add_special_tokens=False)
+    workdir = Path(args.workdir)
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    prompt_path = workdir / "single_stream_prompt.json"
+    prompt_path.write_text(json.dumps({"prompt_token_ids": tokens[:256], "warmup_token_ids": tokens[256:272],
+                                       "new_tokens": 128}))
+    commands = {q: [sys.executable, str(Path(__file__).resolve()), "--worker", str(prompt_path), q] for q in CONFIGS}
+    commands["llama.cpp"] = [str(Path(args.llama_venv) / "bin" / "python"), str(HERE / "llama_cpp_single_stream.py"),
+                             "--gguf", args.gguf, "--prompt-json", str(prompt_path)]
+    print(f"machine: {os.cpu_count()} CPUs; prompt 256 tokens, 128 new, greedy; llama.cpp on {args.gguf}", flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in commands}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for index in range(args.repeats):
+        for name, cmd in commands.items():
+            r = run_one(cmd, dict(os.environ), workdir / "logs" / f"{stamp}_{index + 1}_ss_{name}.log", 1800)
+            runs[name].append(r)
+            extra = f", {r['kv_blocks']} KV blocks" if "kv_blocks" in r else ""
+            print(f"{r['system']:>40} #{index + 1}: TTFT {r['single_stream_ttft_s'] * 1000:6.0f} ms, decode "
+                  f"{r['single_stream_decode_tokens_per_s']:6.1f} tokens/s   (weights {r['weight_bytes'] / 2**20:.0f} MiB"
+                  f"{extra}, start-up {r['startup_s']} s)", flush=True)
+    med = {name: statistics.median(r["single_stream_decode_tokens_per_s"] for r in rs) for name, rs in runs.items()}
+    print()
+    for name in CONFIGS:
+        print(f"median decode pagedllm {name}: {med[name]:.1f} tokens/s = {med[name] / med['llama.cpp']:.2f}x "
+              f"llama.cpp bf16 ({med['llama.cpp']:.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
