@@ -159,3 +159,16 @@ def test_decode_layer_op_equals_python_layers(quantization, attention_bias):
     assert model.decode_layer_args is not None  # the C++ path ran
     assert torch.equal(native_hidden, python_hidden)
     assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches))
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 7])  # 7: no full 16-lane chunk
+def test_argmax_logsumexp_matches_torch(native, vocab):
+    logits = randn(6, vocab) * 4
+    logits[1, vocab // 3] = logits[1, vocab - 1] = logits[1].max() + 1  # tie: first index wins
+    logits[2] = float("-inf")                                          # every token masked
+    logits[3, vocab // 2] = float("nan")
+    logits[4, :vocab - 1] = float("-inf")                              # only the last one left
+    logits[5, 0] = float("inf")
+    argmax, lse = native.argmax_logsumexp(logits)
+    assert torch.equal(argmax, logits.argmax(dim=-1))
+    torch.testing.assert_close(lse, logits.logsumexp(dim=-1), rtol=1e-6, atol=1e-6, equal_nan=True)

@@ -1,7 +1,8 @@
 """Single-stream decode, pagedllm (unquantized, int8, int4) against llama.cpp on a bf16 GGUF of
 the same weights, each run in a fresh process, alternated ``--repeats`` times.
 
-    /work/venv/bin/python bench/peers/single_stream.py [--repeats 2] [--llama-venv V] [--gguf F]
+    /work/venv/bin/python bench/peers/single_stream.py [--repeats 2] [--model NAME] [--llama-venv V]
+        [--gguf F [F ...]]
 
 Prompt: the first 256 tokens of the shipped text (pagedllm's tokenizer), 128 new tokens,
 greedy, EOS ignored; decode speed is the rate after the first token on both sides. pagedllm
@@ -26,15 +27,15 @@ BUDGET = 1 << 30
 CONFIGS = ["none", "int8", "int4"]
 
 
-def pagedllm_worker(prompt_path: str, quantization: str) -> None:
+def pagedllm_worker(prompt_path: str, quantization: str, model: str) -> None:
     """One pagedllm single-stream run (in its own process); prints RESULT."""
     from pagedllm import LLM
     from pagedllm.benchmarks.throughput import single_stream_pagedllm
 
     data = json.loads(Path(prompt_path).read_text())
     start = time.perf_counter()
-    llm = LLM(quantization=None if quantization == "none" else quantization, enable_prefix_caching=False,
-              kv_cache_memory_bytes=BUDGET)
+    llm = LLM(model=model, quantization=None if quantization == "none" else quantization,
+              enable_prefix_caching=False, kv_cache_memory_bytes=BUDGET)
     startup_s = time.perf_counter() - start
     engine = llm.llm_engine
     single_stream_pagedllm(llm, data["warmup_token_ids"], 4)
@@ -51,9 +52,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--llama-venv", default="/tmp/peers/llama-venv")
-    parser.add_argument("--gguf", default="/tmp/peers/smollm2-bf16.gguf", help="bf16 GGUF for llama.cpp")
+    parser.add_argument("--model", default="smollm2-135m", help="pagedllm model (default smollm2-135m)")
+    parser.add_argument("--gguf", nargs="+", default=["/tmp/peers/smollm2-bf16.gguf"],
+                        help="GGUF files for llama.cpp, the first one the reference (a bf16 conversion)")
     parser.add_argument("--workdir", default="/tmp/peers")
-    parser.add_argument("--worker", nargs=2, metavar=("PROMPT_JSON", "QUANTIZATION"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=3, metavar=("PROMPT_JSON", "QUANTIZATION", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         pagedllm_worker(*args.worker)
@@ -62,31 +65,37 @@ def main() -> int:
     from pagedllm.benchmarks.throughput import TEXT_PATH
     from pagedllm.models.loader import load_tokenizer, resolve_model_path
 
-    tokens = load_tokenizer(resolve_model_path(None)).encode(TEXT_PATH.read_text(), add_special_tokens=False)
+    tokens = load_tokenizer(resolve_model_path(args.model)).encode(TEXT_PATH.read_text(), add_special_tokens=False)
     workdir = Path(args.workdir)
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     prompt_path = workdir / "single_stream_prompt.json"
     prompt_path.write_text(json.dumps({"prompt_token_ids": tokens[:256], "warmup_token_ids": tokens[256:272],
                                        "new_tokens": 128}))
-    commands = {q: [sys.executable, str(Path(__file__).resolve()), "--worker", str(prompt_path), q] for q in CONFIGS}
-    commands["llama.cpp"] = [str(Path(args.llama_venv) / "bin" / "python"), str(HERE / "llama_cpp_single_stream.py"),
-                             "--gguf", args.gguf, "--prompt-json", str(prompt_path)]
-    print(f"machine: {os.cpu_count()} CPUs; prompt 256 tokens, 128 new, greedy; llama.cpp on {args.gguf}", flush=True)
+    commands = {q: [sys.executable, str(Path(__file__).resolve()), "--worker", str(prompt_path), q, args.model]
+                for q in CONFIGS}
+    for gguf in args.gguf:
+        commands[gguf] = [str(Path(args.llama_venv) / "bin" / "python"), str(HERE / "llama_cpp_single_stream.py"),
+                          "--gguf", gguf, "--prompt-json", str(prompt_path)]
+    reference = args.gguf[0]
+    print(f"machine: {os.cpu_count()} CPUs; {args.model}; prompt 256 tokens, 128 new, greedy; "
+          f"llama.cpp on {', '.join(args.gguf)}", flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in commands}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for index in range(args.repeats):
         for name, cmd in commands.items():
-            r = run_one(cmd, dict(os.environ), workdir / "logs" / f"{stamp}_{index + 1}_ss_{name}.log", 1800)
+            r = run_one(cmd, dict(os.environ), workdir / "logs" / f"{stamp}_{index + 1}_ss_{Path(name).name}.log", 1800)
             runs[name].append(r)
             extra = f", {r['kv_blocks']} KV blocks" if "kv_blocks" in r else ""
-            print(f"{r['system']:>40} #{index + 1}: TTFT {r['single_stream_ttft_s'] * 1000:6.0f} ms, decode "
+            name_shown = f"{r['system']} {r.get('gguf', '')}".strip()
+            print(f"{name_shown:>60} #{index + 1}: TTFT {r['single_stream_ttft_s'] * 1000:6.0f} ms, decode "
                   f"{r['single_stream_decode_tokens_per_s']:6.1f} tokens/s   (weights {r['weight_bytes'] / 2**20:.0f} MiB"
                   f"{extra}, start-up {r['startup_s']} s)", flush=True)
     med = {name: statistics.median(r["single_stream_decode_tokens_per_s"] for r in rs) for name, rs in runs.items()}
     print()
-    for name in CONFIGS:
-        print(f"median decode pagedllm {name}: {med[name]:.1f} tokens/s = {med[name] / med['llama.cpp']:.2f}x "
-              f"llama.cpp bf16 ({med['llama.cpp']:.1f})")
+    for name in list(commands):
+        shown = f"pagedllm {name}" if name in CONFIGS else f"llama.cpp {Path(name).name}"
+        print(f"median decode {shown}: {med[name]:.1f} tokens/s = {med[name] / med[reference]:.2f}x "
+              f"llama.cpp on {Path(reference).name} ({med[reference]:.1f})")
     return 0
 
 

@@ -17,6 +17,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <tuple>
 #include <type_traits>
 
 #include "cpu_vec.h"
@@ -196,6 +198,97 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// Per row of fp32 logits [rows, vocab]: the index of the largest value (the first one on ties,
+// as torch.argmax) and log(sum(exp(x))) computed as max + log(sum(exp(x - max))) (torch's
+// logsumexp). Two passes over a row that stays in L2: max/argmax, then the sum. Replaces two
+// torch reductions that take ~10 ms at 64 x 49152 on this CPU (torch's exp is slow here).
+// Special values as torch: a row of -inf gives -inf, a +inf gives +inf, a NaN gives NaN and the
+// first NaN's index.
+std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits) {
+  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 &&
+                        logits.size(1) > 0,
+                    "logits must be float32 [rows, vocab] with a contiguous last dimension, got ", logits.sizes(),
+                    " ", logits.scalar_type());
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  auto argmax = at::empty({rows}, logits.options().dtype(at::kLong));
+  auto lse = at::empty({rows}, logits.options());
+  const float* xp = logits.data_ptr<float>();
+  int64_t* ap = argmax.data_ptr<int64_t>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = xp + r * stride;
+      float best = x[0];
+      int64_t best_index = 0;
+      bool nan = false;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 lane_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      __m512i lane_index = _mm512_setzero_si512();
+      __mmask16 lane_nan = 0;
+      const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      // Indices fit 32 bits (vocab < 2^31); strictly greater keeps each lane's first maximum.
+      for (; i + 16 <= vocab; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        lane_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        const __mmask16 greater = _mm512_cmp_ps_mask(v, lane_max, _CMP_GT_OQ);
+        lane_max = _mm512_mask_mov_ps(lane_max, greater, v);
+        lane_index = _mm512_mask_mov_epi32(lane_index, greater,
+                                           _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(i))));
+      }
+      nan = lane_nan != 0;
+      if (i > 0) {
+        alignas(64) float values[16];
+        alignas(64) int32_t indices[16];
+        _mm512_store_ps(values, lane_max);
+        _mm512_store_si512(indices, lane_index);
+        best = values[0];
+        best_index = indices[0];
+        for (int lane = 1; lane < 16; ++lane) {
+          if (values[lane] > best || (values[lane] == best && indices[lane] < best_index)) {
+            best = values[lane];
+            best_index = indices[lane];
+          }
+        }
+        if (best == -std::numeric_limits<float>::infinity()) best_index = 0;  // all -inf: first
+      }
+#endif
+      for (; i < vocab; ++i) {
+        if (std::isnan(x[i])) nan = true;
+        if (x[i] > best) {
+          best = x[i];
+          best_index = i;
+        }
+      }
+      if (nan) {  // torch.argmax ranks NaN above everything: the first NaN
+        int64_t first = 0;
+        while (!std::isnan(x[first])) ++first;
+        ap[r] = first;
+        lp[r] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      ap[r] = best_index;
+      if (std::isinf(best)) {  // all -inf, or a +inf (whose logsumexp is +inf)
+        lp[r] = best;
+        continue;
+      }
+      float sum = 0.f;
+      i = 0;
+#if defined(__AVX512F__)
+      __m512 lane_sum = _mm512_setzero_ps();
+      const __m512 shift = _mm512_set1_ps(best);
+      for (; i + 16 <= vocab; i += 16) {
+        lane_sum = _mm512_add_ps(lane_sum, pagedllm_vec::exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), shift)));
+      }
+      sum = _mm512_reduce_add_ps(lane_sum);
+#endif
+      for (; i < vocab; ++i) sum += std::exp(x[i] - best);
+      lp[r] = best + std::log(sum);
+    }
+  });
+  return {argmax, lse};
+}
+
 // Copies each token's K/V rows [tokens, num_kv_heads * head_dim] (row stride free) into its
 // slot of the caches [num_blocks, block_size, num_kv_heads, head_dim].
 void reshape_and_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
@@ -240,6 +333,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("rotary_embedding_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int num_q_heads, "
         "int num_kv_heads, int head_dim) -> ()", &pagedllm::rotary_embedding_);
   m.def("silu_and_mul(Tensor x) -> Tensor", &pagedllm::silu_and_mul);
+  m.def("argmax_logsumexp(Tensor logits) -> (Tensor, Tensor)", &pagedllm::argmax_logsumexp);
   m.def("reshape_and_cache_(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping) -> ()", &pagedllm::reshape_and_cache_);
 }

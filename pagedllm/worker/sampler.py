@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from pagedllm.core.request import Request
+from pagedllm.layers.ops import native_ops
 
 # Floor of reported logprobs: a finite number JSON can carry (OpenAI's convention for -inf).
 LOGPROB_FLOOR = -9999.0
@@ -354,7 +355,15 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
     """
     logits = logits.float()
     processed = process_logits(logits, meta)
-    token_ids = processed.argmax(dim=-1)
+    ops = native_ops() if processed.stride(-1) == 1 else None
+    log_norm = None
+    if ops is not None:
+        # One C++ pass for the argmax and, when nothing changed the logits, the logsumexp.
+        token_ids, processed_log_norm = ops.argmax_logsumexp(processed)
+        if processed is logits:
+            log_norm = processed_log_norm
+    else:
+        token_ids = processed.argmax(dim=-1)
     if not meta.all_greedy:
         scaled = processed / meta.temperature.unsqueeze(1)
         if meta.min_p is not None:
@@ -373,7 +382,9 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
     if meta.max_num_logprobs is None:
         # One pass over the vocabulary instead of a full log-softmax: only cumulative_logprob
         # needs it.
-        token_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+        if log_norm is None:
+            log_norm = logits.logsumexp(dim=-1)
+        token_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - log_norm
         return SamplerOutput(token_ids, torch.nan_to_num(token_logprobs, nan=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR))
     token_logprobs, ranks, top_ids, top_logprobs = gather_logprobs(compute_logprobs(logits), token_ids,
                                                                    meta.max_num_logprobs)
