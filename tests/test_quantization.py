@@ -93,6 +93,17 @@ def test_grouped_int8_matmul_matches_dequantized_reference(rows):
     assert (layer(x).double() - reference).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_native_int8_dequantize_equals_torch_rows(grouped):
+    """The C++ dequantization (prefill path) gives exactly the torch formulation's weight."""
+    from pagedllm.layers.ops import native_ops
+
+    weight, _ = _random_linear(102)
+    layer = Int8Linear.from_float(weight, None, grouped=grouped)
+    assert native_ops() is not None
+    assert torch.equal(layer.dequantize(), layer.rows(torch.arange(102)))
+
+
 def test_int4_rejects_in_features_not_divisible_by_group():
     with pytest.raises(ValueError, match="divisible by 32, got 48"):
         quantize_int4(torch.randn(8, 48))

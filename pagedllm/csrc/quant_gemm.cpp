@@ -263,9 +263,72 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
+// The [N, K] fp32 weight of int8_linear / int4_linear, for batches too large for the kernels
+// above (prefill chunks then run the fp32 GEMM on it). One pass, parallel over rows. int4 is
+// computed as scale * code + min with two roundings, as gguf's and Int4Weight.dequantize do.
+at::Tensor int8_dequantize(const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
+                    "int8_dequantize: codes must be a contiguous int8 [N, K] tensor");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  const bool grouped = scales.dim() == 2;
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == n &&
+                        (scales.dim() == 1 || (grouped && k % kGroup == 0 && scales.size(1) == k / kGroup)),
+                    "int8_dequantize: scales must be float32 [", n, "] or [", n, ", ", k / kGroup, "]");
+  at::Tensor w = at::empty({n, k}, scales.options());
+  const int8_t* qp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t run = grouped ? kGroup : k;  // weights sharing one scale
+      for (int64_t i0 = 0; i0 < k; i0 += run) {
+        const float scale = sp[grouped ? r * (k / kGroup) + i0 / kGroup : r];
+        for (int64_t i = i0; i < i0 + run; ++i) wp[r * k + i] = static_cast<float>(qp[r * k + i]) * scale;
+      }
+    }
+  });
+  return w;
+}
+
+// No fused multiply-add here: the two roundings are what gguf computes.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK_VALUE(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+                    "int4_dequantize: packed must be a contiguous uint8 [N, K / 2] tensor");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2, groups = k / kGroup;
+  for (const at::Tensor* t : {&scales, &mins}) {
+    TORCH_CHECK_VALUE(k % kGroup == 0 && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                          t->size(0) == n && t->size(1) == groups,
+                      "int4_dequantize: scales and mins must be float32 [", n, ", ", groups, "]");
+  }
+  at::Tensor w = at::empty({n, k}, scales.options());
+  const uint8_t* qp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* bytes = qp + r * (k / 2) + g * (kGroup / 2);
+        const float scale = sp[r * groups + g], min = mp[r * groups + g];
+        float* out = wp + r * k + g * kGroup;
+        for (int64_t i = 0; i < kGroup / 2; ++i) {
+          out[i] = static_cast<float>(bytes[i] & 0x0F) * scale + min;
+          out[i + kGroup / 2] = static_cast<float>(bytes[i] >> 4) * scale + min;
+        }
+      }
+    }
+  });
+  return w;
+}
+#pragma GCC pop_options
+
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor", &pagedllm::int8_linear);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias) -> Tensor", &pagedllm::int4_linear);
+  m.def("int8_dequantize(Tensor codes, Tensor scales) -> Tensor", &pagedllm::int8_dequantize);
+  m.def("int4_dequantize(Tensor packed, Tensor scales, Tensor mins) -> Tensor", &pagedllm::int4_dequantize);
 }

@@ -189,7 +189,10 @@ class Int8Linear(nn.Module):
         return groups.view(len(index), self.in_features).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The ``[N, K]`` weight the layer multiplies by, in ``dtype``."""
+        """The ``[N, K]`` weight the layer multiplies by, in ``dtype`` (one C++ pass when built)."""
+        ops = native_ops()
+        if ops is not None:
+            return ops.int8_dequantize(self.codes, self.scales).to(dtype)
         return self.rows(torch.arange(self.out_features), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,7 +232,10 @@ class Int4Linear(nn.Module):
         return [self.packed, self.scales, self.mins] + ([] if self.bias is None else [self.bias.float()])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The ``[N, K]`` weight the layer multiplies by, in ``dtype``."""
+        """The ``[N, K]`` weight the layer multiplies by, in ``dtype`` (one C++ pass when built)."""
+        ops = native_ops()
+        if ops is not None:
+            return ops.int4_dequantize(self.packed, self.scales, self.mins).to(dtype)
         n, k = self.out_features, self.in_features
         packed = self.packed.view(n, k // INT4_GROUP_SIZE, 1, INT4_GROUP_SIZE // 2)
         codes = torch.cat([packed & 0x0F, packed >> 4], dim=2).view(n, k).contiguous()
