@@ -24,6 +24,8 @@ from pagedllm.sampling_params import SamplingParams
 Int = StrictInt
 Float = Annotated[float, Strict()]  # JSON integers are numbers too
 Bool = StrictBool
+# OpenAI's range for a logit_bias value (its API rejects others; SamplingParams takes any number).
+LogitBias = Annotated[float, Strict(), Field(ge=-100, le=100)]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -47,7 +49,7 @@ class _SamplingFields(OpenAIBaseModel):
     top_p: Optional[Float] = None
     presence_penalty: Float = 0.0
     frequency_penalty: Float = 0.0
-    logit_bias: Optional[dict[str, Float]] = None
+    logit_bias: Optional[dict[str, LogitBias]] = None
     user: Optional[str] = None
     # vLLM extensions
     top_k: Optional[Int] = None
