@@ -18,8 +18,8 @@ read the stored codes and convert them to fp32 in registers, so a step reads 1 (
 (int4, with its fp32 scales and mins) bytes per weight instead of 4; activations and
 accumulation stay fp32. Larger batches (prefill chunks) are compute-bound and dequantize the
 weight, then call the fp32 GEMM. torch's own weight-only kernels (``_weight_int8pack_mm``,
-``_weight_int4pack_mm_for_cpu``) were slower at every batch size here: they are vectorized
-for bf16 activations only, and this CPU has no bf16 arithmetic.
+``_weight_int4pack_mm_for_cpu``) were slower than these at every row count measured: they
+are vectorized for bf16 activations only, and this CPU has no bf16 arithmetic.
 """
 
 from __future__ import annotations
