@@ -29,7 +29,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.linear import Linear
@@ -158,27 +157,49 @@ def int4_from_q4_k(blocks: np.ndarray, shape: tuple[int, int]) -> Int4Weight:
                       torch.from_numpy(scales.reshape(n, k // 32)), torch.from_numpy(mins.reshape(n, k // 32)))
 
 
-class Int8Linear(nn.Module):
+class _QuantizedLinear(nn.Module):
+    """What ``Int8Linear`` and ``Int4Linear`` share: an fp32 ``bias`` (or None), the C++ kernel
+    ``_op`` for decode-sized batches fed the buffers ``_weight_names``, and dequantize-then-GEMM
+    for larger ones. ``forward`` takes ``x`` ``[M, K]`` (fp32 or bf16) and returns ``[M, N]`` in
+    ``x``'s dtype."""
+
+    _op: str
+    _weight_names: tuple[str, ...]
+
+    def _set_bias(self, bias: Optional[torch.Tensor]) -> None:
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def kernel_args(self) -> list[torch.Tensor]:
+        """The tensors the C++ ``decode_layer`` op takes for this layer: its weights (+ ``bias``)."""
+        return [getattr(self, name) for name in self._weight_names] + ([] if self.bias is None else [self.bias])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = _kernel_ops(x, self.in_features)
+        if ops is not None:
+            weights = [getattr(self, name) for name in self._weight_names]
+            return getattr(ops, self._op)(x.float().contiguous(), *weights, self.bias).to(x.dtype)
+        y = torch.mm(x, self.dequantize(x.dtype).t())
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+class Int8Linear(_QuantizedLinear):
     """``y = x @ (scales * q).T + bias`` with int8 ``q`` ``[N, K]`` and fp32 ``scales``, ``[N]``
     per output channel or ``[N, K / 32]`` per 32-weight group (``quantize_int8``).
 
-    ``forward`` takes ``x`` ``[M, K]`` (fp32 or bf16) and returns ``[M, N]`` in ``x``'s dtype.
     """
+
+    _op, _weight_names = "int8_linear", ("codes", "scales")
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", scales.float().contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach())
+        self._set_bias(bias)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], grouped: bool = False) -> "Int8Linear":
         return cls(*quantize_int8(weight, grouped), bias)
-
-    def kernel_args(self) -> list[torch.Tensor]:
-        """The tensors the C++ ``decode_layer`` op takes: ``[codes, scales]`` (+ fp32 ``bias``)."""
-        return [self.codes, self.scales] + ([] if self.bias is None else [self.bias.float()])
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``index`` (``[T]`` int64) of the weight, ``[T, K]`` in ``dtype`` (an embedding lookup)."""
@@ -195,23 +216,16 @@ class Int8Linear(nn.Module):
             return ops.int8_dequantize(self.codes, self.scales).to(dtype)
         return self.rows(torch.arange(self.out_features), dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = _kernel_ops(x, self.in_features)
-        if ops is not None:
-            bias = None if self.bias is None else self.bias.float()
-            return ops.int8_linear(x.float().contiguous(), self.codes, self.scales, bias).to(x.dtype)
-        y = torch.mm(x, self.dequantize(x.dtype).t())
-        return y if self.bias is None else y + self.bias.to(x.dtype)
 
-
-class Int4Linear(nn.Module):
+class Int4Linear(_QuantizedLinear):
     """``y = x @ W.T + bias`` with ``W`` group-32 asymmetric 4-bit, ``W = scales * q + mins``.
 
     Holds ``packed`` (``[N, K / 2]`` uint8: in each 32-weight group, byte ``i`` has weight ``i``
     in its low nibble and weight ``i + 16`` in its high nibble, GGUF ``Q4_1``'s order) and
-    ``scales``, ``mins`` (``[N, K / 32]`` fp32). ``forward`` takes ``x`` ``[M, K]`` (fp32 or
-    bf16) and returns ``[M, N]`` in ``x``'s dtype.
+    ``scales``, ``mins`` (``[N, K / 32]`` fp32).
     """
+
+    _op, _weight_names = "int4_linear", ("packed", "scales", "mins")
 
     def __init__(self, weight: Int4Weight, bias: Optional[torch.Tensor]) -> None:
         super().__init__()
@@ -221,15 +235,11 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous())
         self.register_buffer("scales", weight.scales.float().contiguous())
         self.register_buffer("mins", weight.mins.float().contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach())
+        self._set_bias(bias)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "Int4Linear":
         return cls(quantize_int4(weight), bias)
-
-    def kernel_args(self) -> list[torch.Tensor]:
-        """The tensors the C++ ``decode_layer`` op takes: ``[packed, scales, mins]`` (+ fp32 ``bias``)."""
-        return [self.packed, self.scales, self.mins] + ([] if self.bias is None else [self.bias.float()])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``[N, K]`` weight the layer multiplies by, in ``dtype`` (one C++ pass when built)."""
@@ -240,14 +250,6 @@ class Int4Linear(nn.Module):
         packed = self.packed.view(n, k // INT4_GROUP_SIZE, 1, INT4_GROUP_SIZE // 2)
         codes = torch.cat([packed & 0x0F, packed >> 4], dim=2).view(n, k).contiguous()
         return Int4Weight(codes, self.scales, self.mins).dequantize().to(dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = _kernel_ops(x, self.in_features)
-        if ops is not None:
-            bias = None if self.bias is None else self.bias.float()
-            return ops.int4_linear(x.float().contiguous(), self.packed, self.scales, self.mins, bias).to(x.dtype)
-        y = torch.mm(x, self.dequantize(x.dtype).t())
-        return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
 class Int8Embedding(nn.Module):
