@@ -2,7 +2,7 @@
 the same weights, each run in a fresh process, alternated ``--repeats`` times.
 
     /work/venv/bin/python bench/peers/single_stream.py [--repeats 2] [--model NAME] [--llama-venv V]
-        [--gguf F [F ...]]
+        [--gguf F [F ...]] [--configs none int8 int4]
 
 Prompt: the first 256 tokens of the shipped text (pagedllm's tokenizer), 128 new tokens,
 greedy, EOS ignored; decode speed is the rate after the first token on both sides. pagedllm
@@ -55,6 +55,8 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m", help="pagedllm model (default smollm2-135m)")
     parser.add_argument("--gguf", nargs="+", default=["/tmp/peers/smollm2-bf16.gguf"],
                         help="GGUF files for llama.cpp, the first one the reference (a bf16 conversion)")
+    parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS,
+                        help="pagedllm quantizations to run (default all)")
     parser.add_argument("--workdir", default="/tmp/peers")
     parser.add_argument("--worker", nargs=3, metavar=("PROMPT_JSON", "QUANTIZATION", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -72,7 +74,7 @@ def main() -> int:
     prompt_path.write_text(json.dumps({"prompt_token_ids": tokens[:256], "warmup_token_ids": tokens[256:272],
                                        "new_tokens": 128}))
     commands = {q: [sys.executable, str(Path(__file__).resolve()), "--worker", str(prompt_path), q, args.model]
-                for q in CONFIGS}
+                for q in args.configs}
     for gguf in args.gguf:
         commands[gguf] = [str(Path(args.llama_venv) / "bin" / "python"), str(HERE / "llama_cpp_single_stream.py"),
                           "--gguf", gguf, "--prompt-json", str(prompt_path)]
