@@ -33,3 +33,26 @@ def test_abandoned_conversion_folders_are_removed(tmp_path):
         (folder / "model.safetensors").write_bytes(b"x")
     loader._remove_abandoned_conversions(tmp_path)
     assert not abandoned.exists() and running.exists() and finished.exists()
+
+
+def test_conversions_by_older_versions_are_removed(tmp_path):
+    """A new conversion deletes the same file's conversions by older converters (each a full
+    fp32 copy of the model), and leaves other files' and newer ones alone."""
+    def conversion(name, source, version):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "complete").write_text(f"/some/venv/{source}")
+        if version is not None:
+            (folder / "conversion_version").write_text(str(version))
+        return folder
+
+    current = conversion("model-0000", "model.gguf", loader._CONVERSION_VERSION)
+    unversioned = conversion("model-1111", "model.gguf", None)
+    older = conversion("model-2222", "model.gguf", loader._CONVERSION_VERSION - 1)
+    newer = conversion("model-3333", "model.gguf", loader._CONVERSION_VERSION + 1)
+    other_file = conversion("model-4444", "model-v2.gguf", None)
+    unfinished = tmp_path / "model-5555"
+    unfinished.mkdir()
+    loader._remove_older_conversions(current, "model.gguf")
+    assert not unversioned.exists() and not older.exists()
+    assert current.exists() and newer.exists() and other_file.exists() and unfinished.exists()

@@ -6,6 +6,7 @@ Nothing here touches the network: named models (``models/registry.py``; the defa
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -90,13 +91,16 @@ def model_folder(path: Path) -> Path:
     and last MiB (not its path: every venv or clone holding the same file shares one
     conversion): the gguf reader alone needs several seconds to parse a 49k-token vocabulary,
     so later starts read the cached folder instead. A conversion that fails or loses a race
-    leaves no partial folder behind, and ones left by killed processes are removed. ``Q4_1``/``Q4_K`` tensors are also kept as 4-bit codes in
-    ``INT4_FILE`` for ``quantization="int4"`` (see ``load_prequantized_int4``).
+    leaves no partial folder behind, and ones left by killed processes are removed, as are
+    conversions of the same file by older pagedllm versions once this version's is complete.
+    ``Q4_1``/``Q4_K`` tensors are also kept as 4-bit codes in ``INT4_FILE`` for
+    ``quantization="int4"`` (see ``load_prequantized_int4``).
     """
     if path.is_dir():
         return path
     folder = cache_dir() / "models" / f"{path.stem}-{_content_key(path)}"
     if (folder / "complete").exists():
+        _remove_older_conversions(folder, path.name)
         return folder
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
@@ -113,6 +117,7 @@ def model_folder(path: Path) -> Path:
         save_file(_pack_int4(int4_weights), str(tmp / INT4_FILE))
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         tokenizer.save_pretrained(str(tmp))
+        (tmp / "conversion_version").write_text(str(_CONVERSION_VERSION))
         (tmp / "complete").write_text(str(path))
         tmp.rename(folder)
     except OSError:
@@ -121,6 +126,7 @@ def model_folder(path: Path) -> Path:
         # another process converted it first
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _remove_older_conversions(folder, path.name)
     return folder
 
 
@@ -147,6 +153,22 @@ def _remove_abandoned_conversions(models_dir: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
         except PermissionError:  # alive, another user's
             pass
+
+
+def _remove_older_conversions(current: Path, file_name: str) -> None:
+    """Delete complete conversions of a GGUF named ``file_name`` other than ``current`` that an
+    older converter wrote (no ``conversion_version`` file, or a smaller number): each is a
+    full fp32 copy of the model (0.6 GB for SmolLM2, 2.4 GB for Qwen2.5-Coder-0.5B) that no
+    pagedllm of this version or later reads again."""
+    for folder in current.parent.glob(f"{glob.escape(Path(file_name).stem)}-*"):
+        if folder == current or ".tmp" in folder.name or not (folder / "complete").exists():
+            continue
+        if Path((folder / "complete").read_text().strip()).name != file_name:
+            continue
+        version_file = folder / "conversion_version"
+        version = version_file.read_text().strip() if version_file.exists() else "0"
+        if version.isdigit() and int(version) < _CONVERSION_VERSION:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def load_checkpoint(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
