@@ -130,7 +130,7 @@ def test_ops_fall_back_to_torch_without_the_extension(monkeypatch):
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 @pytest.mark.parametrize("attention_bias", [False, True])
 def test_decode_layer_op_equals_python_layers(quantization, attention_bias):
-    """A decode step through the C++ ``decode_layer`` op (one call per layer) gives bitwise the
+    """A decode step through the C++ ``decode_layers`` op (one call for all layers) gives bitwise the
     hidden states and KV writes of the Python layers: same ops, same order."""
     assert ops.native_ops() is not None
     config = tiny_config(attention_bias=attention_bias)

@@ -1,7 +1,8 @@
-// One decoder layer of a decode step (one new token per sequence) as a single op: the same C++
-// ops in the same order as LlamaDecoderLayer.forward in pagedllm/models/llama.py, so the results
-// are bitwise those of the Python path; what goes away is ~10 Python-level op and module calls
-// per layer (about 5 ms of a 16 ms single-stream step on this machine, bench/README.md).
+// The decoder layers of a decode step (one new token per sequence) as a single op: per layer the
+// same C++ ops in the same order as LlamaDecoderLayer.forward in pagedllm/models/llama.py, so
+// the results are bitwise those of the Python path; what goes away is ~10 Python-level op and
+// module calls per layer (about 5 ms of a 16 ms single-stream step on this machine,
+// bench/README.md), and the Python loop over layers (~0.6 ms a step).
 //
 // A linear layer arrives as a tensor list whose first element's dtype says its kind (the
 // attributes of pagedllm/layers/linear.py and quantization.py), with an optional trailing bias:
@@ -68,14 +69,50 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   return {linear(silu_and_mul(linear(x, gate_up_proj)), down_proj), residual};
 }
 
+std::vector<at::Tensor> take(const std::vector<at::Tensor>& weights, size_t& next, int64_t count) {
+  TORCH_CHECK_VALUE(count >= 0 && next + count <= weights.size(), "decode_layers: list_sizes exceed the weights");
+  std::vector<at::Tensor> list(weights.begin() + next, weights.begin() + next + count);
+  next += count;
+  return list;
+}
+
+// Runs decode_layer for every layer. weights holds, layer after layer, the input and
+// post-attention norm weights and then the qkv, o, gate_up and down linear lists, whose lengths
+// are list_sizes[4 * layer + 0 .. 3]. Returns the last layer's (output, residual stream).
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& hidden, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& list_sizes,
+    double eps, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double scale, const std::vector<at::Tensor>& key_caches,
+    const std::vector<at::Tensor>& value_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens) {
+  const size_t num_layers = key_caches.size();
+  TORCH_CHECK_VALUE(value_caches.size() == num_layers && list_sizes.size() == 4 * num_layers,
+                    "decode_layers: one K cache, one V cache and 4 list sizes per layer");
+  at::Tensor x = hidden;
+  std::optional<at::Tensor> residual;
+  size_t next = 0;
+  for (size_t layer = 0; layer < num_layers; ++layer) {
+    const std::vector<at::Tensor> norms = take(weights, next, 2);
+    const std::vector<at::Tensor> qkv = take(weights, next, list_sizes[4 * layer]);
+    const std::vector<at::Tensor> o = take(weights, next, list_sizes[4 * layer + 1]);
+    const std::vector<at::Tensor> gate_up = take(weights, next, list_sizes[4 * layer + 2]);
+    const std::vector<at::Tensor> down = take(weights, next, list_sizes[4 * layer + 3]);
+    at::Tensor key_cache = key_caches[layer], value_cache = value_caches[layer];
+    std::tie(x, residual) = decode_layer(x, residual, norms[0], norms[1], eps, qkv, o, gate_up, down, positions, cos,
+                                         sin, num_heads, num_kv_heads, head_dim, scale, key_cache, value_cache,
+                                         slot_mapping, block_tables, context_lens);
+  }
+  TORCH_CHECK_VALUE(next == weights.size() && residual.has_value(), "decode_layers: weights left over, or no layers");
+  return {x, *residual};
+}
+
 }  // namespace
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("decode_layer(Tensor hidden, Tensor(a!)? residual, Tensor input_norm, Tensor post_attention_norm, "
-        "float eps, Tensor[] qkv_proj, Tensor[] o_proj, Tensor[] gate_up_proj, Tensor[] down_proj, "
-        "Tensor positions, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim, "
-        "float scale, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor context_lens) -> (Tensor, Tensor)",
-        &pagedllm::decode_layer);
+  m.def("decode_layers(Tensor hidden, Tensor[] weights, int[] list_sizes, float eps, Tensor positions, "
+        "Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim, float scale, "
+        "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor context_lens) -> (Tensor, Tensor)",
+        &pagedllm::decode_layers);
 }

@@ -51,7 +51,7 @@ class Linear(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)
 
     def kernel_args(self) -> list[torch.Tensor]:
-        """The tensors the C++ ``decode_layer`` op multiplies by: ``[weight_t]`` (+ ``bias``)."""
+        """The tensors the C++ ``decode_layers`` op multiplies by: ``[weight_t]`` (+ ``bias``)."""
         return [self.weight_t] + ([] if self.bias is None else [self.bias])
 
     def extra_repr(self) -> str:

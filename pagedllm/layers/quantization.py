@@ -170,7 +170,7 @@ class _QuantizedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
     def kernel_args(self) -> list[torch.Tensor]:
-        """The tensors the C++ ``decode_layer`` op takes for this layer: its weights (+ ``bias``)."""
+        """The tensors the C++ ``decode_layers`` op takes for this layer: its weights (+ ``bias``)."""
         return [getattr(self, name) for name in self._weight_names] + ([] if self.bias is None else [self.bias])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -137,12 +137,15 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.mlp(self.post_attention_layernorm(hidden, residual))
         return hidden, residual
 
-    def decode_layer_args(self) -> tuple:
-        """This layer's weights in the order of the C++ ``decode_layer`` op's leading arguments."""
+    def decode_layer_args(self) -> tuple[list[torch.Tensor], list[int]]:
+        """This layer's part of the C++ ``decode_layers`` op's ``weights`` and ``list_sizes``:
+        the two norm weights, then the tensors of the qkv, o, gate_up and down projections
+        (``kernel_args``), and those four lists' lengths."""
         attn, mlp = self.self_attn, self.mlp
-        return (self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
-                attn.qkv_proj.kernel_args(), attn.o_proj.kernel_args(), mlp.gate_up_proj.kernel_args(),
-                mlp.down_proj.kernel_args())
+        linears = [attn.qkv_proj.kernel_args(), attn.o_proj.kernel_args(), mlp.gate_up_proj.kernel_args(),
+                   mlp.down_proj.kernel_args()]
+        weights = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
+        return weights + [t for linear in linears for t in linear], [len(linear) for linear in linears]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -161,9 +164,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
-        # Per-layer weights for the C++ decode path, gathered on first use (None: not yet, or
-        # modules were replaced since); ``fused_decode = False`` forces the Python layers.
-        self.decode_layer_args: Optional[list[tuple]] = None
+        # (weights, list_sizes) of every layer for the C++ decode path, gathered on first use
+        # (None: not yet, or modules were replaced since); ``fused_decode = False`` forces the
+        # Python layers.
+        self.decode_layer_args: Optional[tuple[list[torch.Tensor], list[int]]] = None
         self.fused_decode = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -176,23 +180,28 @@ class LlamaForCausalLM(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         ops = self._decode_layer_ops(metadata, hidden.shape[0])
         if ops is not None:
-            # A pure decode step: each layer is one C++ call running the same ops as the Python
+            # A pure decode step: all layers in one C++ call running the same ops as the Python
             # layers below (pagedllm/csrc/decoder_layer.cpp), so results are identical.
             if self.decode_layer_args is None:
-                self.decode_layer_args = [layer.decode_layer_args() for layer in self.layers]
+                weights, list_sizes = [], []
+                for layer in self.layers:
+                    layer_weights, layer_sizes = layer.decode_layer_args()
+                    weights += layer_weights
+                    list_sizes += layer_sizes
+                self.decode_layer_args = (weights, list_sizes)
             attn = self.layers[0].self_attn
-            for args, (key_cache, value_cache) in zip(self.decode_layer_args, kv_caches):
-                hidden, residual = ops.decode_layer(
-                    hidden, residual, *args, positions, self.rotary.cos, self.rotary.sin, attn.num_heads,
-                    attn.num_kv_heads, attn.head_dim, attn.scale, key_cache, value_cache,
-                    metadata.slot_mapping, metadata.decode_block_tables, metadata.decode_context_lens)
+            hidden, residual = ops.decode_layers(
+                hidden, *self.decode_layer_args, self.config.rms_norm_eps, positions, self.rotary.cos,
+                self.rotary.sin, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+                [key_cache for key_cache, _ in kv_caches], [value_cache for _, value_cache in kv_caches],
+                metadata.slot_mapping, metadata.decode_block_tables, metadata.decode_context_lens)
             return self.norm(hidden, residual)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.rotary)
         return self.norm(hidden, residual)
 
     def _decode_layer_ops(self, metadata: AttentionMetadata, num_tokens: int):
-        """The C++ ops when this step can run through ``decode_layer``, else None: one token
+        """The C++ ops when this step can run through ``decode_layers``, else None: one token
         per sequence, and for quantized weights fp32 activations and a batch the quantized
         kernels take (``KERNEL_MAX_ROWS``)."""
         if not self.fused_decode or metadata.prefills or metadata.num_decode_tokens != num_tokens or not num_tokens:
