@@ -2,7 +2,7 @@
 // same C++ ops in the same order as LlamaDecoderLayer.forward in pagedllm/models/llama.py, so
 // the results are bitwise those of the Python path; what goes away is ~10 Python-level op and
 // module calls per layer (about 5 ms of a 16 ms single-stream step on this machine,
-// bench/README.md), and the Python loop over layers (~0.6 ms a step).
+// bench/README.md), and with them the Python loop over layers (~1 ms more, fifth round).
 //
 // A linear layer arrives as a tensor list whose first element's dtype says its kind (the
 // attributes of pagedllm/layers/linear.py and quantization.py), with an optional trailing bias:

@@ -161,12 +161,15 @@ def _remove_older_conversions(current: Path, file_name: str) -> None:
     full fp32 copy of the model (0.6 GB for SmolLM2, 2.4 GB for Qwen2.5-Coder-0.5B) that no
     pagedllm of this version or later reads again."""
     for folder in current.parent.glob(f"{glob.escape(Path(file_name).stem)}-*"):
-        if folder == current or ".tmp" in folder.name or not (folder / "complete").exists():
+        if folder == current or ".tmp" in folder.name:
             continue
-        if Path((folder / "complete").read_text().strip()).name != file_name:
+        try:
+            if Path((folder / "complete").read_text().strip()).name != file_name:
+                continue
+            version_file = folder / "conversion_version"
+            version = version_file.read_text().strip() if version_file.exists() else "0"
+        except OSError:  # unfinished, or being removed by another process
             continue
-        version_file = folder / "conversion_version"
-        version = version_file.read_text().strip() if version_file.exists() else "0"
         if version.isdigit() and int(version) < _CONVERSION_VERSION:
             shutil.rmtree(folder, ignore_errors=True)
 
