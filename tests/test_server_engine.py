@@ -178,6 +178,19 @@ def test_framework_errors_are_openai_json(tiny_server, method, path, body, heade
         assert response.headers["Allow"] == message.rsplit("allowed: ", 1)[1].rstrip(")")
 
 
+@pytest.mark.parametrize("body, message, param", [
+    (None, "the request body is empty: send a JSON object (Content-Type: application/json)", None),
+    (b'{"prompt": null}', "prompt: must be one of list[int], list[list[int]], str, list[str] (got null)", "prompt"),
+    (b'{"prompt": {"a": 1}}', 'prompt: must be one of list[int], list[list[int]], str, list[str] '
+                              '(got {"a": 1})', "prompt"),
+])
+def test_missing_body_and_union_fields_get_plain_messages(tiny_server, body, message, param):
+    """No body at all, and a prompt of none of its accepted forms (found by a fresh user:
+    "Field required" without a field, and pydantic's union branch names in the message)."""
+    response = httpx.post(tiny_server.url + "/v1/completions", content=body, headers=JSON, timeout=30)
+    assert_openai_error(response, 400, "BadRequestError", message, param)
+
+
 def test_surrogate_echoed_in_an_error_keeps_the_response_valid_json(tiny_server):
     # "\ud800" is valid JSON but not UTF-8: echoing it in the message must not break the response
     response = httpx.post(tiny_server.url + "/v1/completions", headers=JSON,
@@ -270,7 +283,7 @@ def test_integer_fields_take_json_integers_only(tiny_server, path, field, value,
 
 
 @pytest.mark.parametrize("body, param, message", [
-    ({"prompt": [True, 2]}, "prompt.list[int].0", "Input should be a valid integer (got true)"),
+    ({"prompt": [True, 2]}, "prompt.0", "Input should be a valid integer (got true)"),
     ({"prompt": [1], "stop_token_ids": ["7"]}, "stop_token_ids.0", 'Input should be a valid integer (got "7")'),
     ({"prompt": [1], "temperature": "0.5"}, "temperature", 'Input should be a valid number (got "0.5")'),
     ({"prompt": [1], "top_p": True}, "top_p", "Input should be a valid number (got true)"),
@@ -311,3 +324,11 @@ def chat_server():
                                   max_num_batched_tokens=64)
     with InThreadServer(tiny_chat_engine(args)) as server:
         yield server
+
+
+def test_chat_top_logprobs_out_of_range_names_top_logprobs(chat_server):
+    """Chat's ``top_logprobs`` is ``SamplingParams.logprobs`` inside; the 400 names the field
+    the client sent (found by a fresh user)."""
+    response = httpx.post(chat_server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50, "max_tokens": 2})
+    assert_openai_error(response, 400, "BadRequestError", "top_logprobs must be in [0, 20], got 50", "top_logprobs")

@@ -91,21 +91,36 @@ def _body_parse_error(cause: Optional[BaseException]) -> str:
     return "the request body is not valid JSON: it could not be parsed"
 
 
+def _union_tag(part) -> bool:
+    """Whether a pydantic ``loc`` part names a member of a union type (``list[int]``, ``str``)
+    rather than a field or an index."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     """The first pydantic/FastAPI validation error as a 400 that names the field."""
-    error = exc.errors()[0]
+    errors = exc.errors()
+    error = errors[0]
     kind = error.get("type")
-    loc = [part for part in error.get("loc", ()) if part != "body"]
+    loc = [part for part in error.get("loc", ()) if part != "body" and not _union_tag(part)]
     if kind == "json_invalid":  # FastAPI puts the character position in loc
         reason = (error.get("ctx") or {}).get("error") or "malformed"
         where = f" at character {loc[0]}" if loc else ""
         return OpenAIError(400, f"the request body is not valid JSON: {reason}{where}")
+    if not loc and kind == "missing":
+        return OpenAIError(400, "the request body is empty: send a JSON object (Content-Type: application/json)")
     if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
         return OpenAIError(400, "the request body must be a JSON object (sent with Content-Type: "
                                 f"application/json), got {_short_repr(error.get('input'))}")
     param = ".".join(str(part) for part in loc) or None
     msg = str(error.get("msg"))
     msg = msg.removeprefix("Value error, ")  # a ValueError from a validator: its message is enough
+    # A union field (the completions prompt) whose value is none of its forms fails once per
+    # form, each error's loc ending in the form's name: name them all.
+    forms = [e["loc"][-1] for e in errors if e.get("loc") and _union_tag(e["loc"][-1])
+             and [p for p in e["loc"] if p != "body" and not _union_tag(p)] == loc]
+    if len(forms) > 1:
+        msg = "must be one of " + ", ".join(dict.fromkeys(forms))
     message = f"{param}: {msg}" if param else msg
     if "input" in error and kind != "missing" and kind != "value_error":
         message += f" (got {_short_repr(error['input'])})"

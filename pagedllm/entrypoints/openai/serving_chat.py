@@ -66,7 +66,10 @@ class OpenAIServingChat(OpenAIServing):
         try:
             params = request.sampling_params(max_tokens, logprobs, request.prompt_logprobs)
         except ValueError as exc:
-            raise sampling_params_error(exc) from exc
+            error = sampling_params_error(exc)
+            if error.param == "logprobs":  # chat's top_logprobs is SamplingParams.logprobs
+                error = OpenAIError(400, "top_" + str(exc), param="top_logprobs")
+            raise error from exc
         request_id = random_id("chatcmpl")
         created = now_seconds()
         prompt = {"prompt_token_ids": token_ids, "prompt": text}
