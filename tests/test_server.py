@@ -599,6 +599,10 @@ def test_errors_are_openai_json(server, client):
     response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert response.status_code == 401
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    # The scheme is case-insensitive (RFC 7235), the key is not; anything else is a 401.
+    for header, status in [(f"bearer {API_KEY}", 200), (f"BEARER {API_KEY}", 200), (f"Bearer {API_KEY.upper()}", 401),
+                           (f"Basic {API_KEY}", 401), (f"Bearer{API_KEY}", 401), (API_KEY, 401), ("Bearer", 401)]:
+        assert httpx.get(server.url + "/v1/models", headers={"Authorization": header}).status_code == status, header
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
     assert info.value.body["param"] == "model"

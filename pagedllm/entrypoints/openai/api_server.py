@@ -132,12 +132,13 @@ class _APIKeyMiddleware:
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            # The scheme is case-insensitive (RFC 7235 section 2.1), the key is not.
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token, self.expected):
                 error = OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                                     "AuthenticationError")
                 await error.response()(scope, receive, send)
