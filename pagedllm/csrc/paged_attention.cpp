@@ -35,28 +35,29 @@ namespace pagedllm {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
-// Calls f(row, t) for the rows t = 0 .. context_len - 1 of one KV head (base points at the
-// head's first element in block 0), walking the block table; while a block is processed the
-// next block's rows (row_bytes each) are prefetched.
+// Calls f(block, next, first, count) for the blocks of one KV head's cached context (base points
+// at the head's first element in block 0): block and next point at the head's first row in this
+// block and in the next one (this one again for the last), first is the block's first token,
+// count its tokens in the context.
 template <typename T, typename F>
-inline void for_each_cached_row(const T* base, const int64_t* table, int64_t context_len,
-                                int64_t block_size, int64_t block_stride, int64_t token_stride,
-                                int64_t row_bytes, F&& f) {
+inline void for_each_cached_block(const T* base, const int64_t* table, int64_t context_len,
+                                  int64_t block_size, int64_t block_stride, F&& f) {
   const int64_t used_blocks = (context_len + block_size - 1) / block_size;
   for (int64_t b = 0; b < used_blocks; ++b) {
-    if (b + 1 < used_blocks) {
-      const char* next = reinterpret_cast<const char*>(base + table[b + 1] * block_stride);
-      for (int64_t r = 0; r < block_size; ++r) {
-        for (int64_t off = 0; off < row_bytes; off += 64) {
-          __builtin_prefetch(next + r * token_stride * sizeof(T) + off, 0, 3);
-        }
-      }
-    }
-    const int64_t first = b * block_size;
-    const int64_t count = std::min(block_size, context_len - first);
     const T* block = base + table[b] * block_stride;
-    for (int64_t slot = 0; slot < count; ++slot) f(block + slot * token_stride, first + slot);
+    const T* next = b + 1 < used_blocks ? base + table[b + 1] * block_stride : block;
+    f(block, next, b * block_size, std::min(block_size, context_len - b * block_size));
   }
+}
+
+// Blocks are scattered, so the hardware prefetcher cannot run ahead of a block walk: with each
+// row of a block the loops below prefetch the same slot's row of the next block. Spread so, one
+// row at a time, the loads stay ahead without a burst of a whole block's rows filling the
+// line-fill buffers (which measured 15-25 % slower from L3; bench/README.md, sixth round).
+template <typename T>
+inline void prefetch_row(const T* row, int64_t row_bytes) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(bytes + off, 0, 3);
 }
 
 #if defined(__AVX512F__)
@@ -67,12 +68,11 @@ using pagedllm_vec::load16;
 // Per work item and group of up to kMaxGroup query heads: every K row is loaded once and
 // dotted with all the group's queries, the softmax is exponentiated 16 scores at a time, and
 // every V row is loaded once and accumulated into all the group's outputs, so K/V are read
-// from memory once per item, and the next block's K/V rows are prefetched while the current
-// one is computed (blocks are scattered, so the hardware prefetcher cannot run ahead).
-// Measured 1.6x faster than the scalar path on a cold cache (bench/README.md).
+// from memory once per item. Measured 1.6x faster than the scalar path on a cold cache
+// (bench/README.md), and ~1.8x faster again after the sixth round's changes (row-spread
+// prefetch, accumulators kept in registers).
 
 constexpr int kMaxGroup = 4;
-
 
 // Attention of kGroup query heads (consecutive, sharing one KV head) over one sequence.
 // q: first head's query, q_head_stride apart; k/v_base point at the KV head's first element
@@ -89,26 +89,32 @@ void attend_group_avx512(const T* q, int64_t q_head_stride, const T* k_base, con
       qv[g][c] = _mm512_mul_ps(load16(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
     }
   }
-  float max_score[kGroup];
-  for (int g = 0; g < kGroup; ++g) max_score[g] = -std::numeric_limits<float>::infinity();
-  for_each_cached_row(k_base, table, context_len, block_size, block_stride, token_stride,
-                      kHeadDim * sizeof(T), [&](const T* k, int64_t t) {
-    __m512 kv[kChunks];
-    for (int c = 0; c < kChunks; ++c) kv[c] = load16(k + 16 * c);
-    for (int g = 0; g < kGroup; ++g) {
-      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-      for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-      const float dot = _mm512_reduce_add_ps(acc);
-      scores[g * context_len + t] = dot;
-      max_score[g] = std::max(max_score[g], dot);
+  constexpr int64_t kRowBytes = kHeadDim * sizeof(T);
+  for_each_cached_block(k_base, table, context_len, block_size, block_stride,
+                        [&](const T* block, const T* next, int64_t first, int64_t count) {
+    for (int64_t slot = 0; slot < count; ++slot) {
+      prefetch_row(next + slot * token_stride, kRowBytes);
+      const T* k = block + slot * token_stride;
+      __m512 kv[kChunks];
+      for (int c = 0; c < kChunks; ++c) kv[c] = load16(k + 16 * c);
+      for (int g = 0; g < kGroup; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+        scores[g * context_len + first + slot] = _mm512_reduce_add_ps(acc);
+      }
     }
   });
   float inv_sum[kGroup];
   for (int g = 0; g < kGroup; ++g) {
     float* s = scores + g * context_len;
-    const __m512 m = _mm512_set1_ps(max_score[g]);
-    __m512 sum = _mm512_setzero_ps();
+    __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t t = 0;
+    for (; t + 16 <= context_len; t += 16) maxv = _mm512_max_ps(maxv, _mm512_loadu_ps(s + t));
+    float max_score = _mm512_reduce_max_ps(maxv);
+    for (; t < context_len; ++t) max_score = std::max(max_score, s[t]);
+    const __m512 m = _mm512_set1_ps(max_score);
+    __m512 sum = _mm512_setzero_ps();
+    t = 0;
     for (; t + 16 <= context_len; t += 16) {
       const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
       _mm512_storeu_ps(s + t, e);
@@ -122,24 +128,31 @@ void attend_group_avx512(const T* q, int64_t q_head_stride, const T* k_base, con
     }
     inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
   }
-  __m512 acc[kGroup][kChunks];
-  for (int g = 0; g < kGroup; ++g) {
-    for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_setzero_ps();
-  }
-  for_each_cached_row(v_base, table, context_len, block_size, block_stride, token_stride,
-                      kHeadDim * sizeof(T), [&](const T* v, int64_t t) {
-    __m512 vv[kChunks];
-    for (int c = 0; c < kChunks; ++c) vv[c] = load16(v + 16 * c);
-    for (int g = 0; g < kGroup; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * context_len + t]);
-      for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+  // The accumulators are copied into a flat local array for each block's row loop: indexed
+  // [g][c] in place, GCC kept them in memory and stored all of them after every row (2x slower).
+  __m512 acc[kGroup * kChunks];
+  for (int i = 0; i < kGroup * kChunks; ++i) acc[i] = _mm512_setzero_ps();
+  for_each_cached_block(v_base, table, context_len, block_size, block_stride,
+                        [&](const T* block, const T* next, int64_t first, int64_t count) {
+    __m512 a[kGroup * kChunks];
+    for (int i = 0; i < kGroup * kChunks; ++i) a[i] = acc[i];
+    for (int64_t slot = 0; slot < count; ++slot) {
+      prefetch_row(next + slot * token_stride, kRowBytes);
+      const T* v = block + slot * token_stride;
+      __m512 vv[kChunks];
+      for (int c = 0; c < kChunks; ++c) vv[c] = load16(v + 16 * c);
+      for (int g = 0; g < kGroup; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * context_len + first + slot]);
+        for (int c = 0; c < kChunks; ++c) a[g * kChunks + c] = _mm512_fmadd_ps(p, vv[c], a[g * kChunks + c]);
+      }
     }
+    for (int i = 0; i < kGroup * kChunks; ++i) acc[i] = a[i];
   });
   for (int g = 0; g < kGroup; ++g) {
     T* o = out + g * kHeadDim;
     alignas(64) float tmp[kHeadDim];
     for (int c = 0; c < kChunks; ++c) {
-      _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
+      _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g * kChunks + c], _mm512_set1_ps(inv_sum[g])));
     }
     for (int d = 0; d < kHeadDim; ++d) o[d] = static_cast<T>(tmp[d]);
   }
@@ -223,14 +236,19 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         float* qf = q_f.data();
         for (int64_t d = 0; d < head_dim; ++d) qf[d] = to_float(q[d]) * scale;
 
+        const int64_t row_bytes = head_dim * sizeof(T);
         float max_score = -std::numeric_limits<float>::infinity();
-        for_each_cached_row(k_base + kv_head * head_dim, table, context_len, block_size, block_stride,
-                            token_stride, head_dim * sizeof(T), [&](const T* k, int64_t t) {
-          float dot = 0.f;
+        for_each_cached_block(k_base + kv_head * head_dim, table, context_len, block_size, block_stride,
+                              [&](const T* block, const T* next, int64_t first, int64_t count) {
+          for (int64_t slot = 0; slot < count; ++slot) {
+            prefetch_row(next + slot * token_stride, row_bytes);
+            const T* k = block + slot * token_stride;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qf[d] * to_float(k[d]);
-          scores[t] = dot;
-          max_score = std::max(max_score, dot);
+            for (int64_t d = 0; d < head_dim; ++d) dot += qf[d] * to_float(k[d]);
+            scores[first + slot] = dot;
+            max_score = std::max(max_score, dot);
+          }
         });
         // Max-subtracted softmax, as torch's.
         float sum = 0.f;
@@ -241,11 +259,15 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
 
         float* a = acc.data();
         for (int64_t d = 0; d < head_dim; ++d) a[d] = 0.f;
-        for_each_cached_row(v_base + kv_head * head_dim, table, context_len, block_size, block_stride,
-                            token_stride, head_dim * sizeof(T), [&](const T* v, int64_t t) {
-          const float p = scores[t];
+        for_each_cached_block(v_base + kv_head * head_dim, table, context_len, block_size, block_stride,
+                              [&](const T* block, const T* next, int64_t first, int64_t count) {
+          for (int64_t slot = 0; slot < count; ++slot) {
+            prefetch_row(next + slot * token_stride, row_bytes);
+            const T* v = block + slot * token_stride;
+            const float p = scores[first + slot];
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
+          }
         });
         const float inv_sum = 1.f / sum;
         T* o = out_base + (seq * num_heads + head) * head_dim;
