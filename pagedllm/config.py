@@ -24,6 +24,9 @@ _DTYPES = {
     "fp32": torch.float32,
 }
 
+# kv_cache_dtype values (vLLM's option; its fp8 types are not supported on the CPU here).
+_KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
 # vLLM options that pagedllm accepts because they change nothing here.
 _NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "tokenizer_mode",
                   "disable_custom_all_reduce"}
@@ -56,6 +59,10 @@ class EngineArgs:
         quantization: None (weights in ``dtype``), ``"int8"`` (per-channel weight-only) or
             ``"int4"`` (group-32 asymmetric; GGUF Q4_1/Q4_K tensors are used as they are);
             see ``pagedllm/layers/quantization.py``.
+        kv_cache_dtype: ``auto`` (the compute dtype), ``bfloat16`` or ``float32``. A bfloat16
+            cache under float32 compute holds twice the tokens in the same bytes and halves
+            what decode attention reads; K/V are rounded to bfloat16 when written (8 bits of
+            mantissa), all arithmetic stays fp32. ``float32`` under bfloat16 compute is refused.
     """
 
     model: Optional[str] = None
@@ -72,6 +79,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     quantization: Optional[str] = None
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -104,6 +112,8 @@ class EngineArgs:
             raise ValueError(f"quantization must be one of None, 'int8', 'int4', got {self.quantization!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(_KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -130,6 +140,19 @@ class EngineArgs:
         if self.dtype in ("half", "float16", "fp16"):
             logger.warning("dtype=%s runs as bfloat16 on the CPU", self.dtype)
         return _DTYPES[self.dtype] or default_cpu_dtype()
+
+    def kv_cache_torch_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype under ``compute_dtype``.
+
+        Raises:
+            ValueError: a float32 cache under bfloat16 compute (the kernels read a cache in the
+                compute dtype or narrower).
+        """
+        dtype = _KV_CACHE_DTYPES[self.kv_cache_dtype] or compute_dtype
+        if dtype == torch.float32 and compute_dtype != torch.float32:
+            raise ValueError(f"kv_cache_dtype='float32' needs dtype float32, got {compute_dtype}: "
+                             "use kv_cache_dtype='auto' or 'bfloat16'")
+        return dtype
 
 
 def cpu_flags() -> set[str]:

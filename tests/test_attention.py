@@ -114,6 +114,26 @@ def test_decode_kernel_bf16_matches_fp32_math(kernel, head_dim):
     torch.testing.assert_close(out.double(), expected, rtol=2 ** -8, atol=1e-3)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_decode_kernel_fp32_query_over_bf16_cache(kernel, head_dim):
+    """kv_cache_dtype="bfloat16": the kernel widens each bf16 K/V element exactly and does fp32
+    math, so it matches fp64 math on the same values as closely as an all-fp32 call does."""
+    query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(
+        11, 9, 3, torch.bfloat16, seed=head_dim, head_dim=head_dim)
+    query = query.float() + torch.randn(query.shape, generator=torch.Generator().manual_seed(1)) * 1e-3
+    scale = head_dim ** -0.5
+    expected = decode_reference(query, key_cache, value_cache, block_tables, context_lens, scale)
+    out = kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        paged_decode_attention_torch(query, key_cache, value_cache, block_tables, context_lens, scale).double(),
+        expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="K/V caches must share one dtype: the query's, or bfloat16"):
+        kernel.paged_decode_attention(query.bfloat16(), key_cache.float(), value_cache.float(), block_tables,
+                                      context_lens, scale)
+
+
 def test_decode_kernel_reads_strided_query(kernel):
     """The model passes q as a view into the fused QKV projection (row stride > H * D)."""
     query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(5, 4, 2, torch.float32, 3)

@@ -117,6 +117,27 @@ def test_reshape_and_cache_writes_strided_rows_into_their_slots(native):
         native.reshape_and_cache_(key[:1], value[:1], key_cache, value_cache, torch.tensor([24]))
 
 
+def test_reshape_and_cache_rounds_fp32_rows_into_a_bf16_cache(native, monkeypatch):
+    """Rounded to nearest even, bitwise as torch's .to(bfloat16), natively and in the fallback."""
+    num_kv, head_dim = 2, 8
+    key, value = randn(5, num_kv * head_dim, seed=2), randn(5, num_kv * head_dim, seed=3)
+    slots = torch.tensor([3, 0, 17, 8, 22])
+
+    def write():
+        caches = [torch.zeros(6, 4, num_kv, head_dim, dtype=torch.bfloat16) for _ in range(2)]
+        ops.reshape_and_cache_(key, value, *caches, slots)
+        return [cache.view(-1, num_kv * head_dim)[slots] for cache in caches]
+
+    for cached, rows in zip(write(), (key, value)):
+        assert torch.equal(cached, rows.to(torch.bfloat16))
+    monkeypatch.setattr(ops, "native_ops", lambda: None)
+    for cached, rows in zip(write(), (key, value)):
+        assert torch.equal(cached, rows.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="the same or bfloat16 caches for float32 key/value"):
+        native.reshape_and_cache_(key.bfloat16(), value.bfloat16(), torch.zeros(6, 4, num_kv, head_dim),
+                                  torch.zeros(6, 4, num_kv, head_dim), slots)
+
+
 def test_ops_fall_back_to_torch_without_the_extension(monkeypatch):
     """With the extension unavailable every wrapper computes the same values in torch."""
     x, weight = randn(5, 64), 1 + randn(64, seed=1) * 0.1
@@ -127,15 +148,16 @@ def test_ops_fall_back_to_torch_without_the_extension(monkeypatch):
     torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :8]) * gate_up[:, 8:])
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [(None, torch.float32), ("int8", torch.float32),
+                                                         ("int4", torch.float32), ("int4", torch.bfloat16)])
 @pytest.mark.parametrize("attention_bias", [False, True])
-def test_decode_layer_op_equals_python_layers(quantization, attention_bias):
+def test_decode_layer_op_equals_python_layers(quantization, kv_cache_dtype, attention_bias):
     """A decode step through the C++ ``decode_layers`` op (one call for all layers) gives bitwise the
     hidden states and KV writes of the Python layers: same ops, same order."""
     assert ops.native_ops() is not None
     config = tiny_config(attention_bias=attention_bias)
     model = build_model(config, tiny_state_dict(config), torch.float32, quantization=quantization)
-    runner = ModelRunner(model, num_blocks=16, block_size=4)
+    runner = ModelRunner(model, num_blocks=16, block_size=4, kv_cache_dtype=kv_cache_dtype)
     g = torch.Generator().manual_seed(0)
     # Three sequences with 5, 9 and 2 tokens cached (random K/V), each decoding one token.
     for cache in runner.kv_caches:

@@ -177,14 +177,19 @@ def test_int4_smollm2_answers_paris_and_keeps_perplexity():
     from pagedllm.benchmarks.accuracy import perplexity, shipped_text_token_ids
 
     results = {}
-    for method in (None, "int4"):
-        llm = LLM(dtype="float32", quantization=method, kv_cache_memory_bytes=128 * 2**20, max_model_len=1024)
+    for method, kv_cache_dtype in ((None, "auto"), ("int4", "auto"), ("int4", "bfloat16")):
+        llm = LLM(dtype="float32", quantization=method, kv_cache_dtype=kv_cache_dtype,
+                  kv_cache_memory_bytes=128 * 2**20, max_model_len=1024)
         token_ids = shipped_text_token_ids(llm.get_tokenizer(), 512)
-        results[method] = perplexity(llm, token_ids)
+        results[method, kv_cache_dtype] = perplexity(llm, token_ids)
         if method == "int4":
             out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                            SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
             assert "Paris" in out[0].outputs[0].text
         del llm
-    assert math.isfinite(results[None]) and results[None] > 1
-    assert abs(results["int4"] / results[None] - 1) < 0.10, results
+    reference = results[None, "auto"]
+    assert math.isfinite(reference) and reference > 1
+    assert abs(results["int4", "auto"] / reference - 1) < 0.10, results
+    # A bf16 KV cache (K/V rounded to 8 mantissa bits) on top of int4 weights.
+    assert abs(results["int4", "bfloat16"] / reference - 1) < 0.10, results
+    assert results["int4", "bfloat16"] != results["int4", "auto"]

@@ -11,7 +11,7 @@ For each model and each ``quantization`` (None, ``int8``, ``int4``) in one proce
   buys with those weights.
 
 The unquantized baseline uses the engine's ``dtype`` (``auto``: bf16 on CPUs with bf16
-units, fp32 elsewhere).
+units, fp32 elsewhere); every run uses the engine's ``kv_cache_dtype`` (``--kv-cache-dtype``).
 """
 
 from __future__ import annotations
@@ -68,20 +68,23 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
     return same / sum(len(ref) for ref in reference)
 
 
-def evaluate(model: Optional[str], dtype: str, num_tokens: int, budget_bytes: int) -> list[dict]:
+def evaluate(model: Optional[str], dtype: str, num_tokens: int, budget_bytes: int,
+             kv_cache_dtype: str = "auto") -> list[dict]:
     """One row per quantization method for ``model``; see the module docstring."""
     from pagedllm import LLM
 
     rows, reference = [], None
     for method in METHODS:
-        llm = LLM(model=model, dtype=dtype, quantization=method, kv_cache_memory_bytes=256 * 2**20,
+        llm = LLM(model=model, dtype=dtype, quantization=method, kv_cache_dtype=kv_cache_dtype,
+                  kv_cache_memory_bytes=256 * 2**20,
                   max_model_len=max(1024, num_tokens + 1), enable_prefix_caching=False)
         engine = llm.llm_engine
         block_bytes = engine._bytes_per_block()
         ppl = perplexity(llm, shipped_text_token_ids(llm.get_tokenizer(), num_tokens))
         greedy = greedy_outputs(llm)
         reference = greedy if reference is None else reference
-        rows.append(dict(model=model or "smollm2-135m", quantization=method or "none", dtype=str(engine.model.dtype),
+        rows.append(dict(model=model or "smollm2-135m", quantization=method or "none",
+                         dtype=f"{engine.model.dtype}/{engine.kv_cache_dtype}".replace("torch.", ""),
                          perplexity=ppl, agreement=agreement(greedy, reference),
                          weight_mib=engine.weight_bytes / 2**20,
                          kv_blocks=max(0, (budget_bytes - engine.weight_bytes) // block_bytes)))
@@ -101,13 +104,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     budget = args.memory_budget_mib * 2**20
-    header = f"{'model':<22} {'quant':<6} {'dtype':<15} {'ppl':>8} {'ppl ratio':>9} {'greedy agree':>12} " \
+    header = f"{'model':<22} {'quant':<6} {'dtype/kv cache':<17} {'ppl':>8} {'ppl ratio':>9} {'greedy agree':>12} " \
              f"{'weights MiB':>11} {'KV blocks':>9}"
     print(header)
     for model in args.models:
-        rows = evaluate(model, engine_kwargs.get("dtype", "auto"), args.num_tokens, budget)
+        rows = evaluate(model, engine_kwargs.get("dtype", "auto"), args.num_tokens, budget,
+                        engine_kwargs.get("kv_cache_dtype", "auto"))
         for row in rows:
-            print(f"{row['model']:<22} {row['quantization']:<6} {row['dtype']:<15} {row['perplexity']:>8.3f} "
+            print(f"{row['model']:<22} {row['quantization']:<6} {row['dtype']:<17} {row['perplexity']:>8.3f} "
                   f"{row['perplexity'] / rows[0]['perplexity']:>9.3f} {row['agreement']:>12.3f} "
                   f"{row['weight_mib']:>11.1f} {row['kv_blocks']:>9}", flush=True)
     return 0

@@ -290,7 +290,8 @@ std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits) {
 }
 
 // Copies each token's K/V rows [tokens, num_kv_heads * head_dim] (row stride free) into its
-// slot of the caches [num_blocks, block_size, num_kv_heads, head_dim].
+// slot of the caches [num_blocks, block_size, num_kv_heads, head_dim], converting float32 rows
+// to bfloat16 for a bfloat16 cache (kv_cache_dtype="bfloat16").
 void reshape_and_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                         at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK_VALUE(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 4 &&
@@ -300,9 +301,11 @@ void reshape_and_cache_(const at::Tensor& key, const at::Tensor& value, at::Tens
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
   check_rows(key, "key", width);
   check_rows(value, "value", width);
-  TORCH_CHECK_VALUE(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
-                        value_cache.scalar_type() == key_cache.scalar_type(),
-                    "key, value and caches must share one dtype");
+  const bool to_bf16 = key.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE(value.scalar_type() == key.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type() &&
+                        (key_cache.scalar_type() == key.scalar_type() || to_bf16),
+                    "key and value must share one dtype and the caches one dtype, the same or bfloat16 caches "
+                    "for float32 key/value (got key ", key.scalar_type(), ", key_cache ", key_cache.scalar_type(), ")");
   TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                         slot_mapping.numel() == key.size(0) && value.size(0) == key.size(0),
                     "slot_mapping must be contiguous int64 [tokens]");
@@ -311,16 +314,26 @@ void reshape_and_cache_(const at::Tensor& key, const at::Tensor& value, at::Tens
     TORCH_CHECK_VALUE(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
                       " is outside [0, ", num_slots, ")");
   }
-  const int64_t row_bytes = width * key.element_size();
+  const int64_t row_bytes = width * key_cache.element_size();
   const char* kp = static_cast<const char*>(key.data_ptr());
   const char* vp = static_cast<const char*>(value.data_ptr());
   char* kc = static_cast<char*>(key_cache.data_ptr());
   char* vc = static_cast<char*>(value_cache.data_ptr());
   const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  // Rounded to nearest even, as torch's .to(torch.bfloat16).
+  auto store = [&](char* dst, const char* src) {
+    if (!to_bf16) {
+      std::memcpy(dst, src, row_bytes);
+      return;
+    }
+    const float* from = reinterpret_cast<const float*>(src);
+    c10::BFloat16* to = reinterpret_cast<c10::BFloat16*>(dst);
+    for (int64_t i = 0; i < width; ++i) to[i] = c10::BFloat16(from[i]);
+  };
   at::parallel_for(0, key.size(0), 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(kc + slots[t] * row_bytes, kp + t * ks, row_bytes);
-      std::memcpy(vc + slots[t] * row_bytes, vp + t * vs, row_bytes);
+      store(kc + slots[t] * row_bytes, kp + t * ks);
+      store(vc + slots[t] * row_bytes, vp + t * vs);
     }
   });
 }

@@ -8,7 +8,8 @@
 //
 // Layouts (all row-major):
 //   query        [num_seqs, num_heads, head_dim]   (head_dim contiguous; other strides free)
-//   key/value    [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+//   key/value    [num_blocks, block_size, num_kv_heads, head_dim] contiguous, the query's dtype
+//                or bfloat16 under an fp32 query (kv_cache_dtype="bfloat16": half the bytes)
 //   block_tables [num_seqs, max_blocks] int64, context_lens [num_seqs] int64
 //   out          [num_seqs, num_heads, head_dim] contiguous, the query's dtype
 // Scores and the weighted sum are accumulated in fp32 whatever the storage dtype.
@@ -76,9 +77,9 @@ constexpr int kMaxGroup = 4;
 
 // Attention of kGroup query heads (consecutive, sharing one KV head) over one sequence.
 // q: first head's query, q_head_stride apart; k/v_base point at the KV head's first element
-// of block 0 of the cache; scores: scratch of kGroup * context_len floats.
-template <typename T, int kHeadDim, int kGroup>
-void attend_group_avx512(const T* q, int64_t q_head_stride, const T* k_base, const T* v_base,
+// of block 0 of the cache (element type C); scores: scratch of kGroup * context_len floats.
+template <typename T, typename C, int kHeadDim, int kGroup>
+void attend_group_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* v_base,
                          const int64_t* table, int64_t context_len, int64_t block_size,
                          int64_t block_stride, int64_t token_stride, float scale, float* scores,
                          T* out) {
@@ -89,12 +90,12 @@ void attend_group_avx512(const T* q, int64_t q_head_stride, const T* k_base, con
       qv[g][c] = _mm512_mul_ps(load16(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
     }
   }
-  constexpr int64_t kRowBytes = kHeadDim * sizeof(T);
+  constexpr int64_t kRowBytes = kHeadDim * sizeof(C);
   for_each_cached_block(k_base, table, context_len, block_size, block_stride,
-                        [&](const T* block, const T* next, int64_t first, int64_t count) {
+                        [&](const C* block, const C* next, int64_t first, int64_t count) {
     for (int64_t slot = 0; slot < count; ++slot) {
       prefetch_row(next + slot * token_stride, kRowBytes);
-      const T* k = block + slot * token_stride;
+      const C* k = block + slot * token_stride;
       __m512 kv[kChunks];
       for (int c = 0; c < kChunks; ++c) kv[c] = load16(k + 16 * c);
       for (int g = 0; g < kGroup; ++g) {
@@ -133,12 +134,12 @@ void attend_group_avx512(const T* q, int64_t q_head_stride, const T* k_base, con
   __m512 acc[kGroup * kChunks];
   for (int i = 0; i < kGroup * kChunks; ++i) acc[i] = _mm512_setzero_ps();
   for_each_cached_block(v_base, table, context_len, block_size, block_stride,
-                        [&](const T* block, const T* next, int64_t first, int64_t count) {
+                        [&](const C* block, const C* next, int64_t first, int64_t count) {
     __m512 a[kGroup * kChunks];
     for (int i = 0; i < kGroup * kChunks; ++i) a[i] = acc[i];
     for (int64_t slot = 0; slot < count; ++slot) {
       prefetch_row(next + slot * token_stride, kRowBytes);
-      const T* v = block + slot * token_stride;
+      const C* v = block + slot * token_stride;
       __m512 vv[kChunks];
       for (int c = 0; c < kChunks; ++c) vv[c] = load16(v + 16 * c);
       for (int g = 0; g < kGroup; ++g) {
@@ -162,7 +163,7 @@ void attend_group_avx512(const T* q, int64_t q_head_stride, const T* k_base, con
 // kHeadDim > 0 fixes head_dim at compile time: the per-token loops then unroll fully and a
 // head's q and output accumulator stay in vector registers (measured ~2x on the decode step
 // against the runtime-length loops). kHeadDim == 0 is the generic path for other sizes.
-template <typename T, int kHeadDim>
+template <typename T, typename C, int kHeadDim>
 void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                       const at::Tensor& value_cache, const at::Tensor& block_tables,
                       const at::Tensor& context_lens, float scale) {
@@ -180,8 +181,8 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t block_stride = block_size * token_stride;
 
   const T* q_base = query.data_ptr<T>();
-  const T* k_base = key_cache.data_ptr<T>();
-  const T* v_base = value_cache.data_ptr<T>();
+  const C* k_base = key_cache.data_ptr<C>();
+  const C* v_base = value_cache.data_ptr<C>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* out_base = out.data_ptr<T>();
@@ -210,10 +211,10 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
           const int64_t head = kv_head * group + g0;
           const T* q = q_base + seq * q_seq_stride + head * q_head_stride;
           T* o = out_base + (seq * num_heads + head) * head_dim;
-          const T* k = k_base + kv_head * head_dim;
-          const T* v = v_base + kv_head * head_dim;
+          const C* k = k_base + kv_head * head_dim;
+          const C* v = v_base + kv_head * head_dim;
           auto attend = [&](auto group_size) {
-            attend_group_avx512<T, kHeadDim, decltype(group_size)::value>(
+            attend_group_avx512<T, C, kHeadDim, decltype(group_size)::value>(
                 q, q_head_stride, k, v, table, context_len, block_size, block_stride, token_stride,
                 scale, scores.data(), o);
           };
@@ -236,13 +237,13 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         float* qf = q_f.data();
         for (int64_t d = 0; d < head_dim; ++d) qf[d] = to_float(q[d]) * scale;
 
-        const int64_t row_bytes = head_dim * sizeof(T);
+        const int64_t row_bytes = head_dim * sizeof(C);
         float max_score = -std::numeric_limits<float>::infinity();
         for_each_cached_block(k_base + kv_head * head_dim, table, context_len, block_size, block_stride,
-                              [&](const T* block, const T* next, int64_t first, int64_t count) {
+                              [&](const C* block, const C* next, int64_t first, int64_t count) {
           for (int64_t slot = 0; slot < count; ++slot) {
             prefetch_row(next + slot * token_stride, row_bytes);
-            const T* k = block + slot * token_stride;
+            const C* k = block + slot * token_stride;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < head_dim; ++d) dot += qf[d] * to_float(k[d]);
@@ -260,10 +261,10 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         float* a = acc.data();
         for (int64_t d = 0; d < head_dim; ++d) a[d] = 0.f;
         for_each_cached_block(v_base + kv_head * head_dim, table, context_len, block_size, block_stride,
-                              [&](const T* block, const T* next, int64_t first, int64_t count) {
+                              [&](const C* block, const C* next, int64_t first, int64_t count) {
           for (int64_t slot = 0; slot < count; ++slot) {
             prefetch_row(next + slot * token_stride, row_bytes);
-            const T* v = block + slot * token_stride;
+            const C* v = block + slot * token_stride;
             const float p = scores[first + slot];
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
@@ -277,17 +278,17 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch_head_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& block_tables,
                        const at::Tensor& context_lens, float scale) {
   switch (query.size(2)) {
     case 64:
-      return decode_attention<T, 64>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
+      return decode_attention<T, C, 64>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
     case 128:
-      return decode_attention<T, 128>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
+      return decode_attention<T, C, 128>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
     default:
-      return decode_attention<T, 0>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
+      return decode_attention<T, C, 0>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
   }
 }
 
@@ -301,8 +302,10 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK_VALUE(key_cache.sizes() == value_cache.sizes(), "K and V caches differ in shape");
   TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.size(3) == query.size(2), "K/V cache head_dim differs from the query's");
   TORCH_CHECK_VALUE(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK_VALUE(query.scalar_type() == key_cache.scalar_type() && query.scalar_type() == value_cache.scalar_type(),
-              "query and K/V caches must share one dtype");
+  TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type() &&
+                        (key_cache.scalar_type() == query.scalar_type() || key_cache.scalar_type() == at::kBFloat16),
+                    "K/V caches must share one dtype: the query's, or bfloat16 (got query ", query.scalar_type(),
+                    ", caches ", key_cache.scalar_type(), ")");
   TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
                   block_tables.size(0) == query.size(0),
               "block_tables must be contiguous int64 [num_seqs, max_blocks]");
@@ -311,11 +314,13 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
               "context_lens must be contiguous int64 [num_seqs]");
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   if (query.size(0) == 0) return out;
-  if (query.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(out, query, key_cache, value_cache, block_tables, context_lens, static_cast<float>(scale));
+  const float s = static_cast<float>(scale);
+  if (query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat) {
+    dispatch_head_dim<float, float>(out, query, key_cache, value_cache, block_tables, context_lens, s);
+  } else if (query.scalar_type() == at::kFloat) {
+    dispatch_head_dim<float, c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens, s);
   } else if (query.scalar_type() == at::kBFloat16) {
-    dispatch_head_dim<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens,
-                                    static_cast<float>(scale));
+    dispatch_head_dim<c10::BFloat16, c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens, s);
   } else {
     TORCH_CHECK_VALUE(false, "paged_decode_attention supports float32 and bfloat16, got ", query.scalar_type());
   }

@@ -91,6 +91,7 @@ class LLMEngine:
             self.eos_token_id = tokenizer.eos_token_id
 
         block_size = engine_args.block_size
+        self.kv_cache_dtype = engine_args.kv_cache_torch_dtype(model.dtype)
         num_blocks = self._determine_num_blocks()
         capacity = num_blocks * block_size
         model_len = self.model_config.max_position_embeddings
@@ -114,12 +115,12 @@ class LLMEngine:
                                                enable_caching=engine_args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, engine_args.max_num_seqs,
                                    engine_args.max_num_batched_tokens, self.max_model_len)
-        self.model_runner = ModelRunner(model, num_blocks, block_size, engine_args.seed)
+        self.model_runner = ModelRunner(model, num_blocks, block_size, engine_args.seed, self.kv_cache_dtype)
         bytes_per_block = self._bytes_per_block()
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; %d requests of "
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s; %d requests of "
                     "max_model_len=%d fit at once", num_blocks, block_size, capacity,
-                    num_blocks * bytes_per_block / 2**20, capacity // self.max_model_len,
-                    self.max_model_len)
+                    num_blocks * bytes_per_block / 2**20, str(self.kv_cache_dtype).replace("torch.", ""),
+                    capacity // self.max_model_len, self.max_model_len)
         self.weight_bytes = weight_bytes(model)
         unquantized = getattr(model, "unquantized_weight_bytes", self.weight_bytes)
         logger.info("weights: %.1f MiB (%s; %.1f MiB unquantized): the %.1f MiB saved hold %d more KV blocks",
@@ -142,7 +143,7 @@ class LLMEngine:
     def _bytes_per_block(self) -> int:
         c = self.model_config
         return kv_cache_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                                        self.args.block_size, self.model.dtype)
+                                        self.args.block_size, self.kv_cache_dtype)
 
     def _determine_num_blocks(self) -> int:
         args = self.args
@@ -168,7 +169,8 @@ class LLMEngine:
     def _profile_activation_peak(self) -> int:
         """Peak extra resident memory (bytes) of one step at ``max_num_batched_tokens``."""
         num_tokens = min(self.args.max_num_batched_tokens, self.model_config.max_position_embeddings)
-        runner = ModelRunner(self.model, cdiv(num_tokens, self.args.block_size), self.args.block_size)
+        runner = ModelRunner(self.model, cdiv(num_tokens, self.args.block_size), self.args.block_size,
+                             kv_cache_dtype=self.kv_cache_dtype)
         params = SamplingParams(max_tokens=1)
         request = Request("profile", [0] * num_tokens, params, max_tokens=1, eos_token_id=None)
         table = list(range(runner.num_blocks))

@@ -34,6 +34,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="seed of the global sampling generator")
     group.add_argument("--quantization", choices=["int8", "int4"], default=None,
                        help="weight-only quantization of the linear layers (default: none)")
+    group.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                       help="KV cache dtype: auto (the compute dtype) or bfloat16 (half the bytes "
+                            "of a float32 cache; K/V rounded to bf16)")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
 
 
@@ -43,7 +46,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 memory_utilization=args.memory_utilization, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-                quantization=args.quantization)
+                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

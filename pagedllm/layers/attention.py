@@ -1,7 +1,8 @@
 """Attention that reads K/V through block tables (PagedAttention, Kwon et al. 2023, section 4.1).
 
-The KV cache of one layer is two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-A token at position ``p`` of a sequence lives in slot ``p % block_size`` of physical block
+The KV cache of one layer is two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+in the compute dtype or, with ``kv_cache_dtype="bfloat16"`` under fp32 compute, in bfloat16
+(K/V are rounded when written and widened to fp32 when read; all arithmetic stays fp32). A token at position ``p`` of a sequence lives in slot ``p % block_size`` of physical block
 ``block_table[p // block_size]``; its flat slot index (``slot_mapping``) is
 ``block_id * block_size + p % block_size``.
 """
@@ -72,7 +73,8 @@ def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
 
     Args:
         query: ``[num_seqs, num_heads, head_dim]``.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, the
+            query's dtype or bfloat16.
         block_tables: ``[num_seqs, max_blocks]`` int64; entries past a sequence's last block
             must still be valid block ids (0 is used as padding).
         context_lens: ``[num_seqs]`` int64 in ``[1, max_blocks * block_size]``.
@@ -86,6 +88,7 @@ def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
     max_len = block_tables.shape[1] * block_size
     keys = key_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
     values = value_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    keys, values = keys.to(query.dtype), values.to(query.dtype)
     positions = torch.arange(max_len)
     mask = (positions[None, :] < context_lens[:, None]).view(num_seqs, 1, 1, max_len)
     out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask,
@@ -133,6 +136,9 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     table, a copy of ``context_len`` K/V rows, small next to the ``q_len x context_len``
     attention itself.
 
+    Every K/V row is used as the cache holds it (rounded to bfloat16 under a bfloat16 cache),
+    so a prompt gets the same attention whether it is computed in one chunk or several.
+
     Args:
         query: ``[q_len, num_heads, head_dim]``; key/value: ``[q_len, num_kv_heads, head_dim]``
             (the chunk's own K/V, already written to the cache).
@@ -147,13 +153,15 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     group = num_heads // num_kv_heads
     q = query.transpose(0, 1).unsqueeze(0)
     ctx = seq.context_len
+    if key_cache.dtype != key.dtype:
+        key, value = key.to(key_cache.dtype).to(key.dtype), value.to(key_cache.dtype).to(key.dtype)
     if ctx == q_len:
         out = F.scaled_dot_product_attention(q, _expand_kv_heads(key, group),
                                              _expand_kv_heads(value, group), is_causal=True,
                                              scale=scale)
         return out[0].transpose(0, 1)
-    keys = key_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:ctx]
-    values = value_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:ctx]
+    keys = key_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:ctx].to(query.dtype)
+    values = value_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:ctx].to(query.dtype)
     # Bottom-right aligned causal mask: query i (position ctx - q_len + i) sees keys 0..that.
     query_pos = torch.arange(ctx - q_len, ctx)
     mask = torch.zeros(q_len, ctx, dtype=query.dtype).masked_fill_(

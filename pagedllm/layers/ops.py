@@ -132,7 +132,8 @@ def reshape_and_cache_(key: torch.Tensor, value: torch.Tensor, key_cache: torch.
     """Store new K/V ``[tokens, num_kv_heads * head_dim]`` into their flat slots, in place.
 
     Args:
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, the dtype
+            of key/value or bfloat16 for float32 key/value (rows rounded to nearest even).
         slot_mapping: ``[tokens]`` int64, ``block_id * block_size + offset``.
 
     Raises:
@@ -141,7 +142,7 @@ def reshape_and_cache_(key: torch.Tensor, value: torch.Tensor, key_cache: torch.
     ops = native_ops()
     if ops is None:
         width = key_cache.shape[2] * key_cache.shape[3]
-        key_cache.view(-1, width).index_copy_(0, slot_mapping, key)
-        value_cache.view(-1, width).index_copy_(0, slot_mapping, value)
+        key_cache.view(-1, width).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+        value_cache.view(-1, width).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
     else:
         ops.reshape_and_cache_(key, value, key_cache, value_cache, slot_mapping)

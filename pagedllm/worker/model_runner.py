@@ -62,21 +62,23 @@ class ModelRunner:
     """Owns the model and the KV cache tensors.
 
     The cache is one pair of tensors per layer, each ``[num_blocks, block_size, num_kv_heads,
-    head_dim]`` in the compute dtype, allocated once, zero-filled lazily.
+    head_dim]`` in ``kv_cache_dtype``, allocated once, zero-filled lazily.
 
     Args:
         model: the loaded model.
         num_blocks, block_size: the pool's shape.
         seed: seed of the global generator for unseeded sampling.
+        kv_cache_dtype: the cache's dtype (None: the model's), see ``EngineArgs.kv_cache_dtype``.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0,
+                 kv_cache_dtype: Optional[torch.dtype] = None) -> None:
         self.model = model
         config = model.config
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = config.vocab_size
-        dtype = model.dtype
+        dtype = kv_cache_dtype or model.dtype
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype))
                           for _ in range(config.num_hidden_layers)]
