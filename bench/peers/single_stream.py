@@ -2,12 +2,14 @@
 the same weights, each run in a fresh process, alternated ``--repeats`` times.
 
     /work/venv/bin/python bench/peers/single_stream.py [--repeats 2] [--model NAME] [--llama-venv V]
-        [--gguf F [F ...]] [--configs none int8 int4]
+        [--gguf F [F ...]] [--configs none int8 int4 int4:bf16kv ...]
 
 Prompt: the first 256 tokens of the shipped text (pagedllm's tokenizer), 128 new tokens,
 greedy, EOS ignored; decode speed is the rate after the first token on both sides. pagedllm
-runs with prefix caching off; each run also reports its weight bytes and the KV blocks that a
-1 GiB budget for weights + KV leaves room for. Needs ``setup_llama_cpp.sh``'s venv and GGUF.
+runs with prefix caching off; a configuration is a quantization, with ``:bf16kv`` for
+``kv_cache_dtype="bfloat16"``. Each run also reports its weight bytes and the KV blocks that a
+1 GiB budget for weights + KV leaves room for; each alternation prints pagedllm's ratios to
+the reference run just before or after it. Needs ``setup_llama_cpp.sh``'s venv and GGUF.
 """
 
 from __future__ import annotations
@@ -25,23 +27,26 @@ from compare import run_one
 HERE = Path(__file__).resolve().parent
 BUDGET = 1 << 30
 CONFIGS = ["none", "int8", "int4"]
+CONFIGS += [f"{q}:bf16kv" for q in CONFIGS]
 
 
-def pagedllm_worker(prompt_path: str, quantization: str, model: str) -> None:
+def pagedllm_worker(prompt_path: str, config: str, model: str) -> None:
     """One pagedllm single-stream run (in its own process); prints RESULT."""
     from pagedllm import LLM
     from pagedllm.benchmarks.throughput import single_stream_pagedllm
 
     data = json.loads(Path(prompt_path).read_text())
+    quantization, _, kv = config.partition(":")
     start = time.perf_counter()
     llm = LLM(model=model, quantization=None if quantization == "none" else quantization,
+              kv_cache_dtype="bfloat16" if kv == "bf16kv" else "auto",
               enable_prefix_caching=False, kv_cache_memory_bytes=BUDGET)
     startup_s = time.perf_counter() - start
     engine = llm.llm_engine
     single_stream_pagedllm(llm, data["warmup_token_ids"], 4)
     ttft, rate = single_stream_pagedllm(llm, data["prompt_token_ids"], data["new_tokens"])
     print("RESULT " + json.dumps({
-        "system": f"pagedllm {quantization}", "startup_s": round(startup_s, 1),
+        "system": f"pagedllm {config}", "startup_s": round(startup_s, 1),
         "single_stream_ttft_s": round(ttft, 4), "single_stream_decode_tokens_per_s": round(rate, 2),
         "weight_bytes": engine.weight_bytes,
         "kv_blocks": max(0, (BUDGET - engine.weight_bytes) // engine._bytes_per_block()),
@@ -58,7 +63,7 @@ def main() -> int:
     parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS,
                         help="pagedllm quantizations to run (default all)")
     parser.add_argument("--workdir", default="/tmp/peers")
-    parser.add_argument("--worker", nargs=3, metavar=("PROMPT_JSON", "QUANTIZATION", "MODEL"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=3, metavar=("PROMPT_JSON", "CONFIG", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         pagedllm_worker(*args.worker)
@@ -92,6 +97,9 @@ def main() -> int:
             print(f"{name_shown:>60} #{index + 1}: TTFT {r['single_stream_ttft_s'] * 1000:6.0f} ms, decode "
                   f"{r['single_stream_decode_tokens_per_s']:6.1f} tokens/s   (weights {r['weight_bytes'] / 2**20:.0f} MiB"
                   f"{extra}, start-up {r['startup_s']} s)", flush=True)
+        pairs = ", ".join(f"{name} {runs[name][-1]['single_stream_decode_tokens_per_s'] / runs[reference][-1]['single_stream_decode_tokens_per_s']:.2f}x"
+                          for name in args.configs)
+        print(f"{'':>60} #{index + 1}: {pairs}", flush=True)
     med = {name: statistics.median(r["single_stream_decode_tokens_per_s"] for r in rs) for name, rs in runs.items()}
     print()
     for name in list(commands):
