@@ -2,7 +2,8 @@
 
 The KV cache of one layer is two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``,
 in the compute dtype or, with ``kv_cache_dtype="bfloat16"`` under fp32 compute, in bfloat16
-(K/V are rounded when written and widened to fp32 when read; all arithmetic stays fp32). A token at position ``p`` of a sequence lives in slot ``p % block_size`` of physical block
+(K/V are rounded when written and widened to fp32 when read; all arithmetic stays fp32). A
+token at position ``p`` of a sequence lives in slot ``p % block_size`` of physical block
 ``block_table[p // block_size]``; its flat slot index (``slot_mapping``) is
 ``block_id * block_size + p % block_size``.
 """
@@ -153,9 +154,9 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     group = num_heads // num_kv_heads
     q = query.transpose(0, 1).unsqueeze(0)
     ctx = seq.context_len
-    if key_cache.dtype != key.dtype:
-        key, value = key.to(key_cache.dtype).to(key.dtype), value.to(key_cache.dtype).to(key.dtype)
     if ctx == q_len:
+        if key_cache.dtype != key.dtype:
+            key, value = key.to(key_cache.dtype).to(key.dtype), value.to(key_cache.dtype).to(key.dtype)
         out = F.scaled_dot_product_attention(q, _expand_kv_heads(key, group),
                                              _expand_kv_heads(value, group), is_causal=True,
                                              scale=scale)
