@@ -54,7 +54,8 @@ inline void for_each_cached_block(const T* base, const int64_t* table, int64_t c
 // Blocks are scattered, so the hardware prefetcher cannot run ahead of a block walk: with each
 // row of a block the loops below prefetch the same slot's row of the next block. Spread so, one
 // row at a time, the loads stay ahead without a burst of a whole block's rows filling the
-// line-fill buffers (which measured 15-25 % slower from L3; bench/README.md, sixth round).
+// line-fill buffers (a burst at each block's start measured 12-17 % slower from L3 and DRAM,
+// no prefetch 20-25 % slower; bench/README.md, sixth round).
 template <typename T>
 inline void prefetch_row(const T* row, int64_t row_bytes) {
   const char* bytes = reinterpret_cast<const char*>(row);
