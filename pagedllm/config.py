@@ -113,7 +113,9 @@ class EngineArgs:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {sorted(_KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+            hint = " (fp8 KV caches are not supported on the CPU)" if str(self.kv_cache_dtype).startswith("fp8") else ""
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(_KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}{hint}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -150,8 +152,8 @@ class EngineArgs:
         """
         dtype = _KV_CACHE_DTYPES[self.kv_cache_dtype] or compute_dtype
         if dtype == torch.float32 and compute_dtype != torch.float32:
-            raise ValueError(f"kv_cache_dtype='float32' needs dtype float32, got {compute_dtype}: "
-                             "use kv_cache_dtype='auto' or 'bfloat16'")
+            raise ValueError(f"kv_cache_dtype='float32' needs dtype float32, got "
+                             f"{str(compute_dtype).replace('torch.', '')}: use kv_cache_dtype='auto' or 'bfloat16'")
         return dtype
 
 

@@ -95,8 +95,11 @@ def test_chunked_prefill_prefix_cache_and_preemption_read_the_same_values():
 
 
 def test_kv_cache_dtype_is_validated():
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'bfloat16', 'float32'\], got 'fp8'"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'bfloat16', 'float32'\], "
+                                         r"got 'fp8' \(fp8 KV caches are not supported on the CPU\)"):
         EngineArgs.from_kwargs(kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype='float32' needs dtype float32"):
+    with pytest.raises(ValueError, match=r"got 'bf16'$"):
+        EngineArgs.from_kwargs(kv_cache_dtype="bf16")
+    with pytest.raises(ValueError, match="kv_cache_dtype='float32' needs dtype float32, got bfloat16: use"):
         EngineArgs.from_kwargs(kv_cache_dtype="float32").kv_cache_torch_dtype(torch.bfloat16)
     assert EngineArgs.from_kwargs().kv_cache_torch_dtype(torch.bfloat16) == torch.bfloat16

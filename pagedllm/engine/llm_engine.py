@@ -123,10 +123,12 @@ class LLMEngine:
                     capacity // self.max_model_len, self.max_model_len)
         self.weight_bytes = weight_bytes(model)
         unquantized = getattr(model, "unquantized_weight_bytes", self.weight_bytes)
-        logger.info("weights: %.1f MiB (%s; %.1f MiB unquantized): the %.1f MiB saved hold %d more KV blocks",
-                    self.weight_bytes / 2**20, getattr(model, "quantization", None) or "not quantized",
+        logger.info("weights: %.1f MiB (%s; %.1f MiB unquantized): the %.1f MiB saved are room for %d KV "
+                    "blocks (%s)", self.weight_bytes / 2**20, getattr(model, "quantization", None) or "not quantized",
                     unquantized / 2**20, (unquantized - self.weight_bytes) / 2**20,
-                    (unquantized - self.weight_bytes) // bytes_per_block)
+                    (unquantized - self.weight_bytes) // bytes_per_block,
+                    "in the pool above" if engine_args.kv_cache_memory_bytes is None and
+                    engine_args.num_gpu_blocks_override is None else "not used: the pool's size is set")
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(tokenizer)
         self._child_to_parent: dict[str, str] = {}
