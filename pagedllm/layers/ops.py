@@ -27,32 +27,83 @@ SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "qua
 HEADERS = [CSRC / "cpu_vec.h", CSRC / "ops.h"]
 
 
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``/proc/cpuinfo``), or "" where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def build_directory() -> Path:
+    """Where the extension is built: one folder per (sources, headers, flags, torch version,
+    CPU flags) under torch's extension root (``$TORCH_EXTENSIONS_DIR``, default
+    ``~/.cache/torch_extensions``).
+
+    Two checkouts with different sources never rewrite each other's build files, and a build
+    made with ``-march=native`` on one CPU is never loaded on a CPU that lacks its instructions
+    (a machine's disk can outlive its CPU model here).
+    """
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(" ".join(CFLAGS + [torch.__version__, _cpu_flags()]).encode())
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    return root / f"pagedllm_ops_{digest.hexdigest()[:16]}"
+
+
+def _load_extension(directory: Path) -> None:
+    """Build (or only load) the extension in ``directory`` under an ``flock``.
+
+    torch guards a build with a ``lock`` file that stays behind when the building process is
+    killed, and every later ``load`` then waits on it forever. The ``flock`` is released by the
+    kernel when its holder dies, so a ``lock`` file found while holding it is such a leftover
+    and is removed. A process that finds another one building says so, then waits for it.
+    """
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "pagedllm.flock", "w") as guard:
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("another process is building pagedllm's C++ ops in %s; waiting for it", directory)
+            fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build that was interrupted", stale)
+            stale.unlink(missing_ok=True)
+        cpp_extension.load(name=directory.name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                           extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                           is_python_module=False, verbose=False)
+
+
 @functools.lru_cache(maxsize=1)
 def native_ops():
     """The compiled ops (``torch.ops.pagedllm``), or None where they cannot be had.
 
-    Compiled on first use by ``torch.utils.cpp_extension.load`` (ninja + the system C++
-    compiler, ``-O3 -march=native -fopenmp``) and cached in torch's extension folder
-    (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), so later processes only
-    load it. ``PAGEDLLM_NATIVE_OPS=0`` skips it. A failed build logs one warning and leaves the
+    Compiled on first use by ``torch.utils.cpp_extension`` (ninja + the system C++ compiler,
+    ``-O3 -march=native -fopenmp``) into ``build_directory()``, so later processes only load
+    it; an interrupted build never blocks a later one (``_load_extension``).
+    ``PAGEDLLM_NATIVE_OPS=0`` skips it. A failed build logs one warning and leaves the
     pure-torch paths, which compute the same results more slowly.
     """
     if os.environ.get("PAGEDLLM_NATIVE_OPS", "1") == "0":
         return None
     try:
-        from torch.utils import cpp_extension
-
         # pip installs ninja into the venv's bin, which is not on PATH unless it is activated.
         venv_bin = str(Path(sys.executable).parent)
         if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-        # torch rebuilds when a source or a flag changes, not a header: the headers' hash
-        # goes into the flags.
-        digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
-        cpp_extension.load(name="pagedllm_ops", sources=[str(s) for s in SOURCES],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp",
-                                         f"-DPAGEDLLM_HEADERS_SHA={digest}"],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        _load_extension(build_directory())
         return torch.ops.pagedllm
     except Exception as exc:  # any build or load failure: the torch paths still work
         logger.warning("C++ ops unavailable (%s: %s); using the pure-torch path",
