@@ -253,6 +253,32 @@ def test_duplicate_request_id_in_flight_is_rejected():
     assert finals["x"].prompt_token_ids == [1, 2]
 
 
+def test_user_request_ids_never_collide_with_sample_ids():
+    """Issue 19.3: a user id equal to the id pagedllm once derived for a sample ("0_a" beside a
+    request "a" with n=2) made step() raise KeyError; samples now have ids no string equals."""
+    params = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=3)
+    engine = make_tiny_engine()
+    for request_id, n in (("a", 2), ("0_a", 1), ("1_a", 2), ("('a', 0)", 1)):
+        engine.add_request(request_id, {"prompt_token_ids": [1, 2, 3]}, SamplingParams(
+            n=n, max_tokens=4, temperature=1.0, seed=3))
+    finals = run_to_completion(engine)
+    assert sorted(finals) == ["('a', 0)", "0_a", "1_a", "a"]
+    assert [len(finals[rid].outputs) for rid in ("a", "0_a", "1_a")] == [2, 1, 2]
+    alone = make_tiny_engine()
+    alone.add_request("a", {"prompt_token_ids": [1, 2, 3]}, params)
+    assert ([o.token_ids for o in run_to_completion(alone)["a"].outputs]
+            == [o.token_ids for o in finals["a"].outputs])
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("request_id", [None, 7, ("a", 0), b"a"])
+def test_non_string_request_id_is_a_value_error(request_id):
+    engine = make_tiny_engine()
+    with pytest.raises(ValueError, match="request_id must be a string"):
+        engine.add_request(request_id, [1, 2, 3], SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished_requests()
+
+
 def test_stop_token_ids_and_eos():
     rng = random.Random(8)
     prompt = random_prompt(rng, 8)

@@ -34,14 +34,14 @@ def test_n4_prefills_once_and_copies_the_shared_partial_block_on_second_writer()
     pool = kv.block_pool
     engine.add_request("p", {"prompt_token_ids": prompt}, params)
     engine.step()  # the prompt once, then the samples fork, each with its own first token
-    tables = [kv.get_block_ids(f"{i}_p") for i in range(4)]
+    tables = [kv.get_block_ids(("p", i)) for i in range(4)]
     assert all(table == tables[0] for table in tables) and len(tables[0]) == 3
     assert [pool.blocks[b].ref_count for b in tables[0]] == [4, 4, 4]
     assert pool.num_used_blocks == 3 and kv.num_copies == 0
     shared_partial = tables[0][2]
 
     engine.step()  # every sample writes its first token into the shared partial block
-    tables = [kv.get_block_ids(f"{i}_p") for i in range(4)]
+    tables = [kv.get_block_ids(("p", i)) for i in range(4)]
     assert kv.num_copies == 3  # three copies; the last writer keeps the original
     assert all(table[:2] == tables[0][:2] for table in tables)
     assert [pool.blocks[b].ref_count for b in tables[0][:2]] == [4, 4]
@@ -109,7 +109,7 @@ def test_aborting_parents_or_children_leaks_no_block():
 
     engine.add_request("child", {"prompt_token_ids": tokens(rng, 6)}, params)
     engine.step()
-    engine.scheduler.finish_requests(["1_child"], RequestStatus.FINISHED_ABORTED)
+    engine.scheduler.finish_requests([("child", 1)], RequestStatus.FINISHED_ABORTED)
     pool.check_invariants()
     finals = run_to_completion(engine)
     assert [c.finish_reason for c in finals["child"].outputs] == ["length", "abort", "length"]

@@ -35,7 +35,8 @@ class Request:
     is no phase flag to get out of sync.
 
     Attributes:
-        request_id: unique id of this sequence (a sample of an ``n > 1`` request gets its own).
+        request_id: unique id of this sequence: the user's string, or for a sample of an ``n > 1``
+            request ``(parent_request_id, index)``, a tuple that no user id can equal.
         prompt_token_ids: prompt tokens, length >= 1.
         output_token_ids: generated tokens so far.
         max_tokens: resolved generation limit in tokens (never None here).
@@ -57,7 +58,7 @@ class Request:
     ``num_computed_tokens``.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+    def __init__(self, request_id: Union[str, tuple[str, int]], prompt_token_ids: list[int], sampling_params: SamplingParams,
                  max_tokens: int, eos_token_id: Optional[int], arrival_time: Optional[float] = None,
                  seed_offset: int = 0, cache_salt: Optional[str] = None) -> None:
         self.request_id = request_id

@@ -219,6 +219,8 @@ class LLMEngine:
             cache_salt = prompt.get("cache_salt")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}")
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         prompt_text, prompt_token_ids = self._tokenize(prompt)
@@ -254,7 +256,8 @@ class LLMEngine:
         parent = ParentRequest(request_id, prompt_text, prompt_token_ids)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            # A sample's id is a tuple, so no user id (a string) can ever equal it.
+            child_id = request_id if params.n == 1 else (request_id, index)
             parent.children.append(Request(child_id, prompt_token_ids, params, max_tokens,
                                            self.eos_token_id, arrival_time, seed_offset=index,
                                            cache_salt=cache_salt))
