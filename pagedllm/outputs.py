@@ -55,7 +55,8 @@ class CompletionOutput:
         text: decoded text of ``token_ids`` (stop token excluded).
         token_ids: generated token ids.
         finish_reason: ``"stop"`` (EOS, stop token or stop string), ``"length"``
-            (max_tokens or max_model_len reached), ``"abort"``, or ``None`` while running.
+            (max_tokens or max_model_len reached), ``"abort"``, ``"error"`` (the model forward
+            failed; see ``RequestOutput.error``), or ``None`` while running.
         stop_reason: the stop token id or stop string that ended it, else ``None``.
         cumulative_logprob: sum of the raw logprobs of all generated tokens so far (also in
             ``DELTA`` mode), or ``None`` before the first token.
@@ -87,6 +88,8 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         prompt_logprobs: one entry per prompt token (``None`` for the first) when
             ``prompt_logprobs`` was asked, else None; in ``DELTA`` mode only in the first output.
+        error: why the request ended with finish_reason ``"error"`` (the model forward of a
+            step it was in raised), else None.
     """
 
     request_id: str
@@ -96,3 +99,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: Optional[PromptLogprobs] = None
+    error: Optional[str] = None

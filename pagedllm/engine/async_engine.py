@@ -14,10 +14,18 @@ waits on asyncio primitives and stays free to accept connections, stream and ans
 while the model computes. A stream keeps only the newest output (outputs are cumulative), so a
 slow reader costs no memory.
 
+Each submission gets its own engine id (``{request_id}@{serial}``): the user's id may be reused
+as soon as its stream is closed, while the old instance's abort and final output are still on
+their way, and they must reach only that old instance. Outputs carry the user's id again before
+they reach the stream.
+
 Failure modes:
 - a bad request (``ValueError`` from the engine, or any other exception while adding it) fails
   only that request;
-- an exception from ``engine.step()`` kills the loop: every open stream gets
+- an exception from the model forward ends the requests of that step (``LLMEngine.step``
+  gives them finish reason ``"error"``; their blocks are freed): their streams raise
+  ``RequestFailedError``, and every other request and the engine go on;
+- any other exception from ``engine.step()`` kills the loop: every open stream gets
   ``EngineDeadError``, later requests fail at once with it, and ``is_healthy`` turns False;
 - ``request_timeout`` aborts a request that has run that long (``RequestTimeoutError``);
 - ``drain()`` waits for open requests, then aborts the rest (``EngineDrainingError``).
@@ -26,11 +34,12 @@ Failure modes:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
@@ -40,6 +49,8 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_Item = Union[RequestOutput, BaseException]  # what a stream delivers: an output, or the error that ends it
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop died; no request can run until the server restarts."""
@@ -47,6 +58,11 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds ``max_waiting_requests`` sequences already (load shedding)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The model forward of a step the request was in raised; the request was ended and the
+    engine keeps serving the others."""
 
 
 class RequestTimeoutError(RuntimeError):
@@ -63,25 +79,27 @@ class RequestStream:
     Each item is the request's cumulative ``RequestOutput``; items the reader did not take in
     time are replaced by newer ones, never reordered, and the final output (``finished``) or
     an error always arrives. Iteration raises the error (``EngineDeadError``,
-    ``RequestTimeoutError``, ``EngineDrainingError``) instead of yielding it.
+    ``RequestFailedError``, ``RequestTimeoutError``, ``EngineDrainingError``) instead of
+    yielding it.
     """
 
-    def __init__(self, request_id: str, engine: "AsyncLLMEngine") -> None:
+    def __init__(self, request_id: str, engine: "AsyncLLMEngine", engine_request_id: str) -> None:
         self.request_id = request_id
+        self.engine_request_id = engine_request_id  # this submission's id inside the LLMEngine
         self._engine = engine
         self._event = asyncio.Event()
-        self._item: Union[RequestOutput, BaseException, None] = None
+        self._item: Optional[_Item] = None
         self._terminal = False  # the last item has been put (or the reader gave up)
         self._done = False  # the reader has taken the last item
 
-    def put(self, item: Union[RequestOutput, BaseException]) -> None:
+    def put(self, item: _Item) -> None:
         """Deliver an item (event loop thread only). Items after the last one are dropped."""
         if self._terminal:
             return
         self._item = item
         self._terminal = isinstance(item, BaseException) or item.finished
         if self._terminal:
-            self._engine._active.pop(self.request_id, None)
+            self._engine._forget(self)
         self._event.set()
 
     def __aiter__(self) -> "RequestStream":
@@ -109,13 +127,20 @@ class RequestStream:
         ``finally`` so that a client disconnect frees the request's blocks at once."""
         if not self._terminal:
             self._terminal = True
-            self._engine._active.pop(self.request_id, None)
-            self._engine.abort(self.request_id)
+            self._engine._forget(self)
+            self._engine._commands.put(_Abort(self.engine_request_id, None))
+
+    def abort(self, error: Optional[BaseException] = None) -> None:
+        """Abort this submission unless it already ended: the reader gets the final output
+        (finish reason ``"abort"``), or ``error``. A later request that reuses the same
+        ``request_id`` is never touched."""
+        if not self._terminal:
+            self._engine._commands.put(_Abort(self.engine_request_id, error))
 
 
 @dataclass
 class _Add:
-    request_id: str
+    engine_request_id: str
     prompt: PromptType
     params: SamplingParams
     arrival_time: float
@@ -127,7 +152,7 @@ class _Add:
 
 @dataclass
 class _Abort:
-    request_id: str
+    engine_request_id: str
     error: Optional[BaseException]
 
 
@@ -176,8 +201,9 @@ class AsyncLLMEngine:
         self.dead_error: Optional[BaseException] = None
         self.draining = False
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._entries: dict[str, _Entry] = {}  # engine thread only
-        self._active: dict[str, RequestStream] = {}  # event loop thread only
+        self._entries: dict[str, _Entry] = {}  # engine thread only, by engine request id
+        self._active: dict[str, RequestStream] = {}  # event loop thread only, by user request id
+        self._serials = itertools.count()
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
 
     # ----------------------------------------------------------------------------- event loop side
@@ -211,24 +237,33 @@ class AsyncLLMEngine:
         if request_id in self._active:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self, f"{request_id}@{next(self._serials)}")
         ack = loop.create_future()
         self._active[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, params, time.monotonic(), cache_salt, stream, ack, loop))
+        self._commands.put(_Add(stream.engine_request_id, prompt, params, time.monotonic(), cache_salt,
+                                stream, ack, loop))
         try:
             await ack
         except asyncio.CancelledError:
             stream.close()  # the add may already have happened: abort it
             raise
         except BaseException:
-            self._active.pop(request_id, None)
+            self._forget(stream)
             raise
         return stream
 
     def abort(self, request_id: str, error: Optional[BaseException] = None) -> None:
-        """Abort a request (thread-safe). Its blocks are freed when the engine thread takes
-        the command, within one step. With ``error``, its stream ends with that error."""
-        self._commands.put(_Abort(request_id, error))
+        """Abort the open request ``request_id`` (event loop thread; unknown ids are ignored).
+        Its blocks are freed when the engine thread takes the command, within one step. With
+        ``error``, its stream ends with that error."""
+        stream = self._active.get(request_id)
+        if stream is not None:
+            stream.abort(error)
+
+    def _forget(self, stream: RequestStream) -> None:
+        """``stream`` is no longer the open request of its id (a newer one may be already)."""
+        if self._active.get(stream.request_id) is stream:
+            del self._active[stream.request_id]
 
     async def drain(self, timeout: float) -> int:
         """Refuse new requests, let open ones finish for up to ``timeout`` seconds, then abort
@@ -242,9 +277,9 @@ class AsyncLLMEngine:
         deadline = loop.time() + timeout
         while self._active and loop.time() < deadline and self.is_healthy:
             await asyncio.sleep(0.05)
-        remaining = list(self._active)
-        for request_id in remaining:
-            self.abort(request_id, EngineDrainingError(
+        remaining = list(self._active.values())
+        for stream in remaining:
+            stream.abort(EngineDrainingError(
                 f"the server shut down: request aborted after the {timeout:g} s drain timeout"))
         while self._active and self.is_healthy:
             await asyncio.sleep(0.01)
@@ -311,24 +346,24 @@ class AsyncLLMEngine:
                                    f"{self.max_waiting_requests}: retry later")
         else:
             try:
-                engine.add_request(command.request_id, command.prompt, command.params,
+                engine.add_request(command.engine_request_id, command.prompt, command.params,
                                    arrival_time=command.arrival_time, cache_salt=command.cache_salt)
             except ValueError as exc:
                 error = exc
             except Exception as exc:  # noqa: BLE001 - a request must never kill the loop
-                logger.exception("adding request %s failed", command.request_id)
+                logger.exception("adding request %s failed", command.stream.request_id)
                 error = ValueError(f"the request could not be added: {exc or type(exc).__name__}")
         if error is None:
             deadline = None if self.request_timeout is None else command.arrival_time + self.request_timeout
-            self._entries[command.request_id] = _Entry(command.stream, command.loop, deadline)
+            self._entries[command.engine_request_id] = _Entry(command.stream, command.loop, deadline)
             if self.metrics is not None:
-                self.metrics.request_added(command.request_id, command.arrival_time)
+                self.metrics.request_added(command.engine_request_id, command.arrival_time)
         _call_soon(command.loop, _resolve, command.ack, error)
 
     def _abort(self, command: _Abort) -> None:
-        self.engine.abort_request(command.request_id)
+        self.engine.abort_request(command.engine_request_id)
         if command.error is not None:
-            entry = self._entries.pop(command.request_id, None)
+            entry = self._entries.pop(command.engine_request_id, None)
             if entry is not None:
                 _call_soon(entry.loop, entry.stream.put, command.error)
 
@@ -342,14 +377,17 @@ class AsyncLLMEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         # One wake-up of each event loop per step, not one per request.
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, _Item]]] = {}
         for output in outputs:
             entry = self._entries.get(output.request_id)
             if entry is None:
                 continue
             if output.finished:
                 del self._entries[output.request_id]
-            batches.setdefault(entry.loop, []).append((entry.stream, output))
+            item: _Item = replace(output, request_id=entry.stream.request_id)
+            if output.error is not None:
+                item = RequestFailedError(output.error)
+            batches.setdefault(entry.loop, []).append((entry.stream, item))
         for loop, items in batches.items():
             _call_soon(loop, _put_all, items)
 
@@ -370,7 +408,7 @@ class AsyncLLMEngine:
                 _call_soon(command.loop, _resolve, command.ack, error)
 
 
-def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[RequestStream, _Item]]) -> None:
     for stream, output in items:
         stream.put(output)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
@@ -335,6 +335,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + model step.
 
+        An exception from the model forward ends only the requests scheduled in this step
+        (every sample of them) with finish reason ``"error"``; the others keep running.
+
         Returns:
             A ``RequestOutput`` for every request that got a token, finished or was aborted
             since the last step, shaped by its ``output_kind`` (``FINAL_ONLY`` requests appear
@@ -353,8 +356,12 @@ class LLMEngine:
             requests[request.request_id] = request
             for fork in request.pending_forks:
                 requests[fork.request_id] = fork
-        runner_output = self.model_runner.execute_model(scheduler_output.scheduled, block_tables,
-                                                        scheduler_output.blocks_to_copy)
+        try:
+            runner_output = self.model_runner.execute_model(scheduler_output.scheduled, block_tables,
+                                                            scheduler_output.blocks_to_copy)
+        except Exception as exc:  # noqa: BLE001 - one failed forward must not take the others down
+            logger.exception("the model forward failed: ending the %d sequences of this step", len(requests))
+            return outputs + self._fail_requests(requests.values(), exc)
         for request_id, records in runner_output.prompt_logprobs.items():
             requests[request_id].prompt_logprobs.extend(records)
         for request_id, record in runner_output.logprobs.items():
@@ -383,6 +390,27 @@ class LLMEngine:
                 outputs.append(output)
             if all(child.is_finished() for child in parent.children):
                 self._forget(parent_id)
+        return outputs
+
+    def _fail_requests(self, requests: Iterable[Request], exc: Exception) -> list[RequestOutput]:
+        """End the user requests of ``requests``, every sample, with finish reason ``"error"``
+        and return their final outputs. Their blocks are freed; the K/V the failed forward
+        may have half written was never cached (``cache_blocks`` runs only after a forward),
+        so no other request can read it."""
+        error = f"the model forward failed: {type(exc).__name__}: {exc}"
+        outputs = []
+        for parent_id in dict.fromkeys(self._child_to_parent[request.request_id] for request in requests):
+            parent = self.parents[parent_id]
+            self.scheduler.finish_requests([child.request_id for child in parent.children],
+                                           RequestStatus.FINISHED_ERROR)
+            for child in parent.children:
+                if not child.is_finished():  # a fork that was still pending
+                    child.status = RequestStatus.FINISHED_ERROR
+            output = self._make_output(parent)
+            if output is not None:
+                output.error = error
+                outputs.append(output)
+            self._forget(parent_id)
         return outputs
 
     def _emit(self, parent: ParentRequest) -> None:

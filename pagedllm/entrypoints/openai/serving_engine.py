@@ -16,7 +16,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedllm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineDrainingError,
-                                          QueueFullError, RequestStream, RequestTimeoutError)
+                                          QueueFullError, RequestFailedError, RequestStream,
+                                          RequestTimeoutError)
 from pagedllm.engine.llm_engine import PromptType, check_utf8
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -77,6 +78,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return OpenAIError(503, str(exc), "ServiceUnavailableError")
     if isinstance(exc, RequestTimeoutError):
         return OpenAIError(504, str(exc), "TimeoutError")
+    if isinstance(exc, RequestFailedError):  # the engine ended the request and keeps serving
+        return OpenAIError(500, str(exc), "InternalServerError")
     return OpenAIError(500, f"internal error: {exc!r}", "InternalServerError")
 
 
