@@ -160,8 +160,15 @@ def int4_from_q4_k(blocks: np.ndarray, shape: tuple[int, int]) -> Int4Weight:
 class _QuantizedLinear(nn.Module):
     """What ``Int8Linear`` and ``Int4Linear`` share: an fp32 ``bias`` (or None), the C++ kernel
     ``_op`` for decode-sized batches fed the buffers ``_weight_names``, and dequantize-then-GEMM
-    for larger ones. ``forward`` takes ``x`` ``[M, K]`` (fp32 or bf16) and returns ``[M, N]`` in
-    ``x``'s dtype."""
+    for larger ones.
+
+    ``forward(x, out_dtype=None)`` takes ``x`` ``[M, K]`` (fp32 or bf16) and returns ``[M, N]``
+    in ``out_dtype`` (default: ``x``'s dtype). Up to ``KERNEL_MAX_ROWS`` rows the product is
+    computed in fp32 from the exact stored weights whatever ``x``'s dtype, by the kernel or,
+    without the C++ ops, by the same fp32 formulation in torch, so both paths agree to fp32
+    summation order in every compute dtype. Larger batches multiply in ``x``'s dtype (a bf16
+    GEMM by the weight rounded to bf16).
+    """
 
     _op: str
     _weight_names: tuple[str, ...]
@@ -173,13 +180,19 @@ class _QuantizedLinear(nn.Module):
         """The tensors the C++ ``decode_layers`` op takes for this layer: its weights (+ ``bias``)."""
         return [getattr(self, name) for name in self._weight_names] + ([] if self.bias is None else [self.bias])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = _kernel_ops(x, self.in_features)
-        if ops is not None:
-            weights = [getattr(self, name) for name in self._weight_names]
-            return getattr(ops, self._op)(x.float().contiguous(), *weights, self.bias).to(x.dtype)
+    def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        out_dtype = x.dtype if out_dtype is None else out_dtype
+        if _kernel_rows(x, self.in_features):
+            ops = native_ops()
+            if ops is not None:
+                weights = [getattr(self, name) for name in self._weight_names]
+                y = getattr(ops, self._op)(x.float().contiguous(), *weights, self.bias)
+            else:
+                y = torch.mm(x.float(), self.dequantize(torch.float32).t())
+                y = y if self.bias is None else y + self.bias
+            return y.to(out_dtype)
         y = torch.mm(x, self.dequantize(x.dtype).t())
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        return (y if self.bias is None else y + self.bias.to(x.dtype)).to(out_dtype)
 
 
 class Int8Linear(_QuantizedLinear):
@@ -265,11 +278,9 @@ class Int8Embedding(nn.Module):
         return self.table.rows(input_ids, self.dtype)
 
 
-def _kernel_ops(x: torch.Tensor, in_features: int):
-    """The C++ ops when ``x`` is a decode-sized batch they handle, else None (dequantize)."""
-    if x.dim() != 2 or x.shape[0] > KERNEL_MAX_ROWS or in_features % INT4_GROUP_SIZE:
-        return None
-    return native_ops()
+def _kernel_rows(x: torch.Tensor, in_features: int) -> bool:
+    """Whether ``x`` is a decode-sized batch that the quantized kernels handle."""
+    return x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS and in_features % INT4_GROUP_SIZE == 0
 
 
 def quantize_model(model: nn.Module, method: str,
