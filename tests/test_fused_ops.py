@@ -148,15 +148,18 @@ def test_ops_fall_back_to_torch_without_the_extension(monkeypatch):
     torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :8]) * gate_up[:, 8:])
 
 
-@pytest.mark.parametrize("quantization,kv_cache_dtype", [(None, torch.float32), ("int8", torch.float32),
-                                                         ("int4", torch.float32), ("int4", torch.bfloat16)])
+@pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", [
+    (torch.float32, None, torch.float32), (torch.float32, "int8", torch.float32),
+    (torch.float32, "int4", torch.float32), (torch.float32, "int4", torch.bfloat16),
+    (torch.bfloat16, None, torch.bfloat16), (torch.bfloat16, "int8", torch.bfloat16),
+    (torch.bfloat16, "int4", torch.bfloat16)])
 @pytest.mark.parametrize("attention_bias", [False, True])
-def test_decode_layer_op_equals_python_layers(quantization, kv_cache_dtype, attention_bias):
+def test_decode_layer_op_equals_python_layers(dtype, quantization, kv_cache_dtype, attention_bias):
     """A decode step through the C++ ``decode_layers`` op (one call for all layers) gives bitwise the
     hidden states and KV writes of the Python layers: same ops, same order."""
     assert ops.native_ops() is not None
     config = tiny_config(attention_bias=attention_bias)
-    model = build_model(config, tiny_state_dict(config), torch.float32, quantization=quantization)
+    model = build_model(config, tiny_state_dict(config), dtype, quantization=quantization)
     runner = ModelRunner(model, num_blocks=16, block_size=4, kv_cache_dtype=kv_cache_dtype)
     g = torch.Generator().manual_seed(0)
     # Three sequences with 5, 9 and 2 tokens cached (random K/V), each decoding one token.

@@ -9,6 +9,7 @@
 //   float / bfloat16: [weight_t [in, out]] (+ bias)        -> mm / addmm
 //   int8:             [codes [N, K], scales] (+ bias)       -> int8_linear
 //   uint8 (int4):     [packed [N, K/2], scales, mins] (+ bias) -> int4_linear
+// (the quantized kernels on fp32 rows, bf16 activations widened and the result narrowed back).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -27,11 +28,19 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& params) {
   auto bias_at = [&](size_t index) -> std::optional<at::Tensor> {
     return params.size() > index ? std::optional<at::Tensor>(params[index]) : std::nullopt;
   };
+  // The quantized kernels take fp32 rows and return fp32 (as _QuantizedLinear.forward: x.float(),
+  // then the result in x's dtype), so bf16 compute runs them too.
+  const bool widen = x.scalar_type() != at::kFloat;
   switch (first.scalar_type()) {
-    case at::kChar:
-      return int8_linear(x, first, params.at(1), bias_at(2));
-    case at::kByte:
-      return int4_linear(x, first, params.at(1), params.at(2), bias_at(3));
+    case at::kChar: {
+      const at::Tensor y = int8_linear(widen ? x.to(at::kFloat) : x.contiguous(), first, params.at(1), bias_at(2));
+      return widen ? y.to(x.scalar_type()) : y;
+    }
+    case at::kByte: {
+      const at::Tensor y = int4_linear(widen ? x.to(at::kFloat) : x.contiguous(), first, params.at(1), params.at(2),
+                                       bias_at(3));
+      return widen ? y.to(x.scalar_type()) : y;
+    }
     default:
       return params.size() > 1 ? at::addmm(params[1], x, first) : at::mm(x, first);
   }

@@ -202,11 +202,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_layer_ops(self, metadata: AttentionMetadata, num_tokens: int):
         """The C++ ops when this step can run through ``decode_layers``, else None: one token
-        per sequence, and for quantized weights fp32 activations and a batch the quantized
-        kernels take (``KERNEL_MAX_ROWS``)."""
+        per sequence, and for quantized weights a batch the quantized kernels take
+        (``KERNEL_MAX_ROWS``)."""
         if not self.fused_decode or metadata.prefills or metadata.num_decode_tokens != num_tokens or not num_tokens:
             return None
-        if getattr(self, "quantization", None) and (self.dtype != torch.float32 or num_tokens > KERNEL_MAX_ROWS):
+        if getattr(self, "quantization", None) and num_tokens > KERNEL_MAX_ROWS:
             return None
         return native_ops()
 
