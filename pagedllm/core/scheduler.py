@@ -6,6 +6,7 @@ the KV cache manager's business; tensors are the model runner's.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -205,7 +206,9 @@ class Scheduler:
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = RequestStatus.RUNNING
         self.requests[child.request_id] = child
-        self.running.append(child)
+        # After its parent and siblings (same arrival time), before younger requests: the
+        # running list stays oldest-first, so the next step's victim is still the youngest.
+        bisect.insort(self.running, child, key=lambda request: request.arrival_time)
 
     def _append_token(self, request: Request, token_id: int, finished: list[Request]) -> None:
         request.output_token_ids.append(token_id)
