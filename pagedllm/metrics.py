@@ -11,20 +11,23 @@ Everything is counted per *sequence* (one sample of an ``n > 1`` request), as vL
 its engine-core requests: ``n=2`` adds 2 to ``request_success`` and observes 2 TTFTs.
 
 Each server owns a ``CollectorRegistry`` so that several servers can live in one process.
+
+Inputs are data only: the engine's ``SchedulerStats`` snapshot (``LLMEngine.make_stats()``,
+``pagedllm/engine/stats.py``) and the ``RequestOutput``s of each step; this module never reads
+the engine, its scheduler or its KV cache manager.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine.stats import SchedulerStats
     from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -132,8 +135,7 @@ class EngineMetrics:
         self.engine_healthy.set(1)
 
         self._requests: dict[str, _RequestStats] = {}
-        # Sequences already observed in request_queue_time; weak so that finished ones vanish.
-        self._scheduled_once: weakref.WeakSet = weakref.WeakSet()
+        self._last_step_recorded = 0
         self._num_preemptions_seen = 0
         self._prefix_queries_seen = 0
         self._prefix_hits_seen = 0
@@ -151,27 +153,27 @@ class EngineMetrics:
         """Start tracking a request that the engine accepted (``arrival_time``: monotonic s)."""
         self._requests[request_id] = _RequestStats(arrival_time)
 
-    def record_step(self, engine: "LLMEngine", outputs: list["RequestOutput"], step_start: float,
-                    now: float) -> None:
-        """Account one ``engine.step()`` that began at ``step_start`` and returned ``outputs``
-        at ``now`` (monotonic seconds). Outputs must be cumulative (the server's kind)."""
+    def record_step(self, stats: "SchedulerStats", outputs: list["RequestOutput"], now: float) -> None:
+        """Account one ``engine.step()`` that returned ``outputs`` at ``now`` (monotonic
+        seconds), with ``stats`` the engine's snapshot taken after it. Outputs must be
+        cumulative (the server's kind)."""
         try:
-            self._record_scheduled(engine, step_start)
+            self._record_iteration(stats)
             for output in outputs:
                 self._record_output(output, now)
-            self.update_gauges(engine)
+            self.update_gauges(stats)
         except Exception:
             logger.exception("metrics: recording a step failed (the engine keeps running)")
 
-    def _record_scheduled(self, engine: "LLMEngine", step_start: float) -> None:
-        scheduler_output = engine.last_scheduler_output
-        if scheduler_output is None or scheduler_output.is_empty:
+    def _record_iteration(self, stats: "SchedulerStats") -> None:
+        iteration = stats.iteration
+        if iteration.step == self._last_step_recorded:  # recorded already (or no step yet)
             return
-        self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
-        for request, _ in scheduler_output.scheduled:
-            if request not in self._scheduled_once:
-                self._scheduled_once.add(request)
-                self.request_queue_time.observe(max(0.0, step_start - request.arrival_time))
+        self._last_step_recorded = iteration.step
+        if iteration.num_scheduled_tokens:
+            self.iteration_tokens.observe(iteration.num_scheduled_tokens)
+        for queue_time in iteration.queue_times:
+            self.request_queue_time.observe(queue_time)
 
     def _record_output(self, output: "RequestOutput", now: float) -> None:
         stats = self._requests.get(output.request_id)
@@ -209,23 +211,21 @@ class EngineMetrics:
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_tokens)
 
-    def update_gauges(self, engine: "LLMEngine") -> None:
-        """Set the gauges and the preemption / prefix-cache counters from the engine's state."""
+    def update_gauges(self, stats: "SchedulerStats") -> None:
+        """Set the gauges and the preemption / prefix-cache counters from an engine snapshot
+        (its running totals: a counter grows by what is new since the last snapshot)."""
         try:
-            scheduler = engine.scheduler
-            self.num_requests_running.set(scheduler.num_running)
-            self.num_requests_waiting.set(scheduler.num_waiting)
-            self.kv_cache_usage_perc.set(engine.kv_cache_manager.usage)
-            self.num_preemptions.inc(max(0, scheduler.num_preemptions - self._num_preemptions_seen))
-            self._num_preemptions_seen = max(self._num_preemptions_seen, scheduler.num_preemptions)
-            # The manager's running totals, not get_kv_cache_stats(): that one walks the pool.
-            manager = engine.kv_cache_manager
-            self.prefix_cache_queries.inc(max(0, manager.prefix_cache_queries - self._prefix_queries_seen))
-            self.prefix_cache_hits.inc(max(0, manager.prefix_cache_hits - self._prefix_hits_seen))
-            self._prefix_queries_seen = max(self._prefix_queries_seen, manager.prefix_cache_queries)
-            self._prefix_hits_seen = max(self._prefix_hits_seen, manager.prefix_cache_hits)
+            self.num_requests_running.set(stats.num_running_reqs)
+            self.num_requests_waiting.set(stats.num_waiting_reqs)
+            self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+            self.num_preemptions.inc(max(0, stats.num_preemptions - self._num_preemptions_seen))
+            self._num_preemptions_seen = max(self._num_preemptions_seen, stats.num_preemptions)
+            self.prefix_cache_queries.inc(max(0, stats.prefix_cache_queries - self._prefix_queries_seen))
+            self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - self._prefix_hits_seen))
+            self._prefix_queries_seen = max(self._prefix_queries_seen, stats.prefix_cache_queries)
+            self._prefix_hits_seen = max(self._prefix_hits_seen, stats.prefix_cache_hits)
         except Exception:
-            logger.exception("metrics: reading the engine's state failed (the engine keeps running)")
+            logger.exception("metrics: reading the engine's stats failed (the engine keeps running)")
 
     def engine_died(self) -> None:
         """The engine loop died: every unfinished sequence counts once as ``error`` (a request
@@ -241,23 +241,21 @@ class EngineMetrics:
         self.kv_cache_usage_perc.set(0)
 
     # ----------------------------------------------------------------------------- log line
-    def log_if_due(self, engine: "LLMEngine", now: float) -> None:
+    def log_if_due(self, stats: "SchedulerStats", now: float) -> None:
         """Every ``log_interval`` seconds with activity, log throughput, queues, KV usage and
         prefix hit rate (vLLM ``LoggingStatLogger``)."""
         if self.log_interval is None or now - self._last_log_time < self.log_interval:
             return
         try:
             elapsed = now - self._last_log_time
-            scheduler = engine.scheduler
-            busy = scheduler.num_running or scheduler.num_waiting
+            busy = stats.num_running_reqs or stats.num_waiting_reqs
             if busy or self._prompt_tokens_since_log or self._generation_tokens_since_log:
-                manager = engine.kv_cache_manager
-                hit_rate = manager.prefix_cache_hits / max(1, manager.prefix_cache_queries)
+                hit_rate = stats.prefix_cache_hits / max(1, stats.prefix_cache_queries)
                 logger.info(
                     "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                     "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
                     self._prompt_tokens_since_log / elapsed, self._generation_tokens_since_log / elapsed,
-                    scheduler.num_running, scheduler.num_waiting, 100 * engine.kv_cache_manager.usage,
+                    stats.num_running_reqs, stats.num_waiting_reqs, 100 * stats.kv_cache_usage,
                     100 * hit_rate)
         except Exception:
             logger.exception("metrics: the stats log line failed (the engine keeps running)")

@@ -95,10 +95,10 @@ def test_stats_log_line_reports_throughput_queues_and_kv_usage(caplog):
     engine.add_request("b", [6, 7], SamplingParams(max_tokens=3))
     metrics.request_added("a", time.monotonic())
     metrics.request_added("b", time.monotonic())
-    start = time.monotonic()
-    metrics.record_step(engine, engine.step(), start, time.monotonic())
+    outputs = engine.step()
+    metrics.record_step(engine.make_stats(), outputs, time.monotonic())
     with caplog.at_level(logging.INFO, logger="pagedllm.metrics"):
-        metrics.log_if_due(engine, time.monotonic())
+        metrics.log_if_due(engine.make_stats(), time.monotonic())
     (line,) = [r.getMessage() for r in caplog.records if "throughput" in r.getMessage()]
     usage = 100 * engine.kv_cache_manager.usage
     assert "Running: 2 reqs, Waiting: 0 reqs" in line and f"KV cache usage: {usage:.1f}%" in line
@@ -109,7 +109,7 @@ def test_b31_garbage_in_the_metrics_path_never_raises():
     engine = make_tiny_engine()
     metrics = EngineMetrics("m", engine.max_model_len, 16, 64)
     metrics.request_added("x", time.monotonic())
-    metrics.record_step(engine, [object()], 0.0, 0.0)  # not a RequestOutput: logged, not raised
+    metrics.record_step(engine.make_stats(), [object()], 0.0)  # not a RequestOutput: logged, not raised
     metrics.update_gauges(object())
     assert "pagedllm:num_requests_running" in metrics.render().decode()
 

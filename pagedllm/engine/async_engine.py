@@ -6,13 +6,15 @@ The role of vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``), without a sec
     -----------------                              -------------
     add_request() --- _Add command ------------->  engine.add_request()  (ValueError, queue full)
           <------------ acknowledgement ----------
-    RequestStream  <-- call_soon_threadsafe -----  engine.step() -> RequestOutputs, metrics
+    RequestStream  <-- call_soon_threadsafe -----  engine.step() -> RequestOutputs, stats, metrics
     close()/abort() -- _Abort command ----------->  engine.abort_request() (blocks freed at once)
 
 Only the engine thread touches the ``LLMEngine``, so it needs no lock; the event loop only ever
 waits on asyncio primitives and stays free to accept connections, stream and answer /health
-while the model computes. A stream keeps only the newest output (outputs are cumulative), so a
-slow reader costs no memory.
+while the model computes. Other threads read two immutable snapshots instead (``stats.py``):
+``model_info``, taken once at construction, and ``stats``, the engine's newest
+``SchedulerStats``, which the engine thread replaces after every step and command. A stream
+keeps only the newest output (outputs are cumulative), so a slow reader costs no memory.
 
 Each submission gets its own engine id (``{request_id}@{serial}``): the user's id may be reused
 as soon as its stream is closed, while the old instance's abort and final output are still on
@@ -43,6 +45,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.stats import ModelInfo, SchedulerStats
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -171,6 +174,13 @@ _STOP = object()
 class AsyncLLMEngine:
     """Runs an ``LLMEngine`` in a background thread and serves its requests to asyncio code.
 
+    Attributes:
+        model_info: the model's fixed facts (``max_model_len``, vocabulary, tokenizer, ...),
+            for the server; taken before the engine thread starts.
+        stats: the engine's newest ``SchedulerStats`` snapshot, readable from any thread.
+            Replaced (never mutated) by the engine thread after every step and every command
+            it takes, so a burst of requests is counted exactly by load shedding.
+
     Args:
         engine: the engine; from ``start()`` on, only the engine thread may touch it.
         metrics: Prometheus metrics to update after every step (None: no metrics).
@@ -195,6 +205,8 @@ class AsyncLLMEngine:
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout!r}")
         self.engine = engine
+        self.model_info: ModelInfo = engine.get_model_info()
+        self.stats: SchedulerStats = engine.make_stats()
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self.request_timeout = request_timeout
@@ -301,15 +313,15 @@ class AsyncLLMEngine:
                     break
                 self._expire(time.monotonic())
                 if engine.has_unfinished_requests():
-                    step_start = time.monotonic()
                     outputs = engine.step()
+                    self.stats = engine.make_stats()
                     if self.metrics is not None:
-                        self.metrics.record_step(engine, outputs, step_start, time.monotonic())
+                        self.metrics.record_step(self.stats, outputs, time.monotonic())
                     self._dispatch(outputs)
                 elif self.metrics is not None:
-                    self.metrics.update_gauges(engine)
+                    self.metrics.update_gauges(self.stats)
                 if self.metrics is not None:
-                    self.metrics.log_if_due(engine, time.monotonic())
+                    self.metrics.log_if_due(self.stats, time.monotonic())
         except BaseException as exc:  # noqa: BLE001 - anything here kills the loop; say so
             logger.exception("the engine loop died")
             self._die(exc)
@@ -340,7 +352,7 @@ class AsyncLLMEngine:
     def _add(self, command: _Add) -> None:
         engine = self.engine
         error: Optional[BaseException] = None
-        waiting = engine.scheduler.num_waiting
+        waiting = self.stats.num_waiting_reqs
         if self.max_waiting_requests is not None and waiting and waiting + command.params.n > self.max_waiting_requests:
             error = QueueFullError(f"{waiting} sequences are waiting and max_waiting_requests is "
                                    f"{self.max_waiting_requests}: retry later")
@@ -358,10 +370,12 @@ class AsyncLLMEngine:
             self._entries[command.engine_request_id] = _Entry(command.stream, command.loop, deadline)
             if self.metrics is not None:
                 self.metrics.request_added(command.engine_request_id, command.arrival_time)
+            self.stats = engine.make_stats()
         _call_soon(command.loop, _resolve, command.ack, error)
 
     def _abort(self, command: _Abort) -> None:
         self.engine.abort_request(command.engine_request_id)
+        self.stats = self.engine.make_stats()
         if command.error is not None:
             entry = self._entries.pop(command.engine_request_id, None)
             if entry is not None:

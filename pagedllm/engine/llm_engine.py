@@ -24,6 +24,7 @@ from pagedllm.models.loader import (build_model, load_checkpoint, load_prequanti
                                     resolve_model_path)
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.stats import IterationStats, ModelInfo, SchedulerStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
@@ -133,9 +134,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self._child_to_parent: dict[str, str] = {}
         self._pending_outputs: list[RequestOutput] = []
-        # What the latest step() scheduled; read by the server's metrics (iteration tokens,
-        # queue time) after the step.
-        self.last_scheduler_output: Optional[SchedulerOutput] = None
+        # Sequences (by request id) scheduled at least once, so that a queue time is counted
+        # once per sequence, not again after a preemption.
+        self._scheduled_once: set = set()
+        self._iteration = IterationStats()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -344,8 +346,9 @@ class LLMEngine:
             once, when finished; ``DELTA`` ones carry only what is new).
         """
         outputs, self._pending_outputs = self._pending_outputs, []
+        step_start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
-        self.last_scheduler_output = scheduler_output
+        self._iteration = self._iteration_stats(scheduler_output, step_start)
         if scheduler_output.is_empty:
             return outputs
         block_tables = {request.request_id: self.kv_cache_manager.get_block_ids(request.request_id)
@@ -392,6 +395,44 @@ class LLMEngine:
                 self._forget(parent_id)
         return outputs
 
+    def _iteration_stats(self, scheduler_output: SchedulerOutput, step_start: float) -> IterationStats:
+        """What ``scheduler_output`` schedules; before the step advances ``num_computed_tokens``."""
+        num_prompt_tokens = num_output_tokens = 0
+        queue_times = []
+        for request, num_new_tokens in scheduler_output.scheduled:
+            prompt_part = max(0, min(num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens))
+            num_prompt_tokens += prompt_part
+            num_output_tokens += num_new_tokens - prompt_part
+            if request.request_id not in self._scheduled_once:
+                self._scheduled_once.add(request.request_id)
+                queue_times.append(max(0.0, step_start - request.arrival_time))
+        return IterationStats(step=self._iteration.step + 1,
+                              num_scheduled_tokens=num_prompt_tokens + num_output_tokens,
+                              num_prompt_tokens=num_prompt_tokens, num_output_tokens=num_output_tokens,
+                              num_preempted=len(scheduler_output.preempted), queue_times=tuple(queue_times))
+
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot of the queues, the KV cache and the latest step (vLLM ``make_stats``);
+        O(1). Observers (metrics, the async engine's load shedding, other threads) read this,
+        never the scheduler or the KV cache manager."""
+        manager = self.kv_cache_manager
+        return SchedulerStats(num_running_reqs=self.scheduler.num_running,
+                              num_waiting_reqs=self.scheduler.num_waiting,
+                              num_blocks=manager.num_blocks,
+                              num_used_blocks=manager.block_pool.num_used_blocks,
+                              num_preemptions=self.scheduler.num_preemptions,
+                              prefix_cache_queries=manager.prefix_cache_queries,
+                              prefix_cache_hits=manager.prefix_cache_hits,
+                              iteration=self._iteration)
+
+    def get_model_info(self) -> ModelInfo:
+        """The facts about the model and engine that do not change while it runs."""
+        return ModelInfo(model=self.args.model, max_model_len=self.max_model_len,
+                         vocab_size=self.model_config.vocab_size, eos_token_id=self.eos_token_id,
+                         tokenizer=self.tokenizer, block_size=self.args.block_size,
+                         num_blocks=self.num_blocks, max_num_seqs=self.args.max_num_seqs,
+                         max_num_batched_tokens=self.args.max_num_batched_tokens)
+
     def _fail_requests(self, requests: Iterable[Request], exc: Exception) -> list[RequestOutput]:
         """End the user requests of ``requests``, every sample, with finish reason ``"error"``
         and return their final outputs. Their blocks are freed; the K/V the failed forward
@@ -424,6 +465,7 @@ class LLMEngine:
         children = self.parents.pop(parent_id).children
         for child in children:
             del self._child_to_parent[child.request_id]
+            self._scheduled_once.discard(child.request_id)
         self.output_processor.free([child.request_id for child in children])
 
     def _make_output(self, parent: ParentRequest) -> Optional[RequestOutput]:

@@ -162,6 +162,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key
     if not served_model_names:
         raise ValueError("served_model_names must hold at least one name")
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    model_info = engine.model_info  # the event loop reads nothing of the LLMEngine itself
     completions = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names)
     created = int(time.time())
@@ -216,7 +217,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
              "root": model_root or served_model_names[0], "parent": None,
-             "max_model_len": engine.engine.max_model_len} for name in served_model_names]}
+             "max_model_len": model_info.max_model_len} for name in served_model_names]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -242,13 +243,13 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key
         else:
             tokens = completions.encode_text(request.prompt, "prompt",
                                              add_special_tokens=request.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": engine.engine.max_model_len, "tokens": tokens}
+        return {"count": len(tokens), "max_model_len": model_info.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> dict:
         completions.check_model(request.model)
         tokenizer = completions.require_tokenizer("detokenize")
-        vocab_size = engine.engine.model_config.vocab_size
+        vocab_size = model_info.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab_size]
         if bad:
             raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})",

@@ -107,8 +107,8 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.model_info.tokenizer
+        self.max_model_len = engine.model_info.max_model_len
 
     def check_model(self, model: Optional[str]) -> None:
         """Raises: OpenAIError 404 for a model this server does not serve."""
