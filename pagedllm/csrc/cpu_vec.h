@@ -14,6 +14,27 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// 16 floats rounded to bfloat16 bits, nearest even, NaN -> 0x7FC0: c10::BFloat16(float)'s
+// rounding (c10/util/BFloat16.h round_to_nearest_even) in AVX-512F integer ops, so a vector
+// store gives bitwise what the scalar conversion gives, on CPUs with and without AVX512_BF16.
+inline __m256i bf16_bits(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// x rounded to bfloat16 and widened back: the value a bf16 store then load would give.
+inline __m512 round_bf16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(x)), 16));
+}
+
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x));
+}
+
 // exp(x): Cody-Waite range reduction x = n ln2 + r with |r| <= ln2 / 2, a degree-6
 // polynomial for exp(r) (relative error ~2e-7, about one ulp), then scaling by 2^n with
 // VSCALEFPS. Inputs below -87 give exactly 0 rather than a denormal (denormal operands would
