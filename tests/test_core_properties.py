@@ -39,10 +39,11 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings, target
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import cdiv
 
 VOCAB = 8
 # Not 0 or VOCAB - 1: hypothesis draws the ends of a range often, and requests would stop at once.

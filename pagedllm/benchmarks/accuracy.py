@@ -22,6 +22,7 @@ import math
 from typing import Optional
 
 from pagedllm.benchmarks.throughput import TEXT_PATH, build_workload
+from pagedllm.config import EngineArgs
 
 METHODS = (None, "int8", "int4")
 
@@ -102,14 +103,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights + KV budget for the KV-blocks column (default 1024 MiB)")
 
 
-def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
+def main(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     budget = args.memory_budget_mib * 2**20
     header = f"{'model':<22} {'quant':<6} {'dtype/kv cache':<17} {'ppl':>8} {'ppl ratio':>9} {'greedy agree':>12} " \
              f"{'weights MiB':>11} {'KV blocks':>9}"
     print(header)
     for model in args.models:
-        rows = evaluate(model, engine_kwargs.get("dtype", "auto"), args.num_tokens, budget,
-                        engine_kwargs.get("kv_cache_dtype", "auto"))
+        rows = evaluate(model, engine_args.dtype, args.num_tokens, budget, engine_args.kv_cache_dtype)
         for row in rows:
             print(f"{row['model']:<22} {row['quantization']:<6} {row['dtype']:<17} {row['perplexity']:>8.3f} "
                   f"{row['perplexity'] / rows[0]['perplexity']:>9.3f} {row['agreement']:>12.3f} "

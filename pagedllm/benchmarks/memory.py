@@ -21,16 +21,19 @@ Three measurements, after Kwon et al. 2023 (PagedAttention), sections 6.1-6.3:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from pagedllm.benchmarks.throughput import TEXT_PATH, BenchRequest, build_workload
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.config import EngineArgs
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import cdiv
 
 
 @dataclass
@@ -197,19 +200,19 @@ def measure_beam_sharing(llm, prompts: list[list[int]], beam_width: int, max_tok
     manager = engine.kv_cache_manager
     runner = engine.model_runner
     distinct, tables = [], []
-    compute_logits = runner.compute_logits
+    execute_model_for_logits = runner.execute_model_for_logits
 
-    def sampling_compute_logits(*args):
+    def sampling_execute_model_for_logits(*args):
         distinct.append(manager.block_pool.num_used_blocks)
         tables.append(sum(len(blocks) for blocks in manager.req_to_blocks.values()))
-        return compute_logits(*args)
+        return execute_model_for_logits(*args)
 
-    runner.compute_logits = sampling_compute_logits
+    runner.execute_model_for_logits = sampling_execute_model_for_logits
     try:
         llm.beam_search([{"prompt_token_ids": p} for p in prompts],
                         BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, ignore_eos=True))
     finally:
-        del runner.compute_logits
+        del runner.execute_model_for_logits
     return _mean(distinct), _mean(tables)
 
 
@@ -223,16 +226,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only the scheduler replays (a) and (c, n=4): no model is loaded")
 
 
-def main(args: argparse.Namespace, engine_kwargs: dict, log: Callable[[str], None] = print) -> int:
+def main(args: argparse.Namespace, engine_args: EngineArgs, log: Callable[[str], None] = print) -> int:
     """Run (a), (b) and (c) and print their figures."""
     from pagedllm import LLM
     from pagedllm.models.loader import load_tokenizer, resolve_model_path
 
-    tokenizer = load_tokenizer(resolve_model_path(engine_kwargs.get("model")))
-    block_size = engine_kwargs.get("block_size") or 16
-    max_model_len = engine_kwargs.get("max_model_len") or 2048
-    max_num_seqs = engine_kwargs.get("max_num_seqs") or 256
-    max_num_batched_tokens = engine_kwargs.get("max_num_batched_tokens") or 2048
+    tokenizer = load_tokenizer(resolve_model_path(engine_args.model))
+    block_size = engine_args.block_size
+    max_model_len = engine_args.max_model_len or 2048
+    max_num_seqs = engine_args.max_num_seqs
+    max_num_batched_tokens = engine_args.max_num_batched_tokens
     workload = build_workload(tokenizer)
     measure_paged_vs_contiguous(workload, args.kv_budget_tokens, block_size, max_model_len,
                                 max_num_seqs, max_num_batched_tokens, log)
@@ -248,8 +251,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict, log: Callable[[str], Non
         return 0
 
     def make_llm(caching: bool) -> LLM:
-        kwargs = dict(engine_kwargs, enable_prefix_caching=caching)
-        return LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        return LLM(**dataclasses.asdict(dataclasses.replace(engine_args, enable_prefix_caching=caching)))
 
     llm = make_llm(True)
     beam_prompts = [r.prompt_token_ids[:128] for r in workload[:args.beam_prompts]]

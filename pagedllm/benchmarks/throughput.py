@@ -15,6 +15,7 @@ Shape of the workload and of the report follow vLLM's ``benchmarks/benchmark_thr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+
+from pagedllm.config import EngineArgs
 
 TEXT_PATH = Path(__file__).with_name("data") / "public_domain.txt"
 HF_BATCH_SIZE = 16
@@ -266,7 +269,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the single-stream decode measurement (256-token prompt, 128 new tokens)")
 
 
-def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
+def main(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     """Run the benchmark from parsed CLI arguments.
 
     Raises:
@@ -280,7 +283,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    llm = LLM(**engine_kwargs)
+    llm = LLM(**dataclasses.asdict(engine_args))
     workload = build_workload(llm.get_tokenizer(), args.num_requests, args.workload_seed)
-    run_benchmark(llm, workload, args.repeats, args.baseline, engine_kwargs.get("model"), args.single_stream)
+    run_benchmark(llm, workload, args.repeats, args.baseline, engine_args.model, args.single_stream)
     return 0

@@ -10,10 +10,7 @@ from typing import Optional
 
 from pagedllm.core.block_pool import BlockHash, BlockHashFn, BlockPool, BlockPoolStats, KVCacheBlock
 from pagedllm.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pagedllm.utils import cdiv
 
 
 @dataclass

