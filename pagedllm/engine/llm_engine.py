@@ -16,7 +16,7 @@ import torch
 
 from pagedllm.config import (EngineArgs, kv_cache_bytes_per_block, machine_memory,
                              process_memory)
-from pagedllm.core.kv_cache_manager import KVCacheManager, KVCacheStats, cdiv
+from pagedllm.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.layers.quantization import weight_bytes
@@ -27,21 +27,12 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stats import IterationStats, ModelInfo, SchedulerStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import cdiv, check_utf8
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 PromptType = Union[str, dict, list]
-
-
-def check_utf8(text: str, what: str = "prompt") -> None:
-    """Raises: ValueError naming the first character with no UTF-8 encoding (a lone surrogate
-    such as ``"\\ud800"``, which JSON can carry but no tokenizer can take)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} is not valid UTF-8 text: character {exc.start} is the lone "
-                         f"surrogate {text[exc.start]!r}") from None
 
 
 @dataclass
