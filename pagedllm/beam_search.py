@@ -35,7 +35,8 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
 
 if TYPE_CHECKING:
-    from pagedllm.engine.llm_engine import LLMEngine, PromptType
+    from pagedllm.engine.input_processor import PromptType
+    from pagedllm.engine.llm_engine import LLMEngine
 
 
 @dataclass
@@ -153,16 +154,11 @@ def beam_search(engine: "LLMEngine", prompts: list["PromptType"],
 
 
 def _prompt_token_ids(engine: "LLMEngine", prompt: "PromptType", max_tokens: int) -> list[int]:
-    _, token_ids = engine._tokenize(prompt)
-    vocab = engine.model_config.vocab_size
-    if not token_ids:
-        raise ValueError("the prompt is empty (0 tokens); give at least one token")
-    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-    if len(token_ids) + max_tokens > engine.max_model_len:
-        raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = "
-                         f"{len(token_ids) + max_tokens} tokens exceeds max_model_len={engine.max_model_len}")
+    """The engine's own tokenization and checks (``InputProcessor``) for one beam prompt."""
+    processor = engine.input_processor
+    _, token_ids = processor.tokenize(prompt)
+    processor.check_prompt_token_ids(token_ids)
+    processor.resolve_max_tokens(len(token_ids), max_tokens)
     return token_ids
 
 

@@ -49,7 +49,7 @@ def pagedllm_worker(prompt_path: str, config: str, model: str) -> None:
         "system": f"pagedllm {config}", "startup_s": round(startup_s, 1),
         "single_stream_ttft_s": round(ttft, 4), "single_stream_decode_tokens_per_s": round(rate, 2),
         "weight_bytes": engine.weight_bytes,
-        "kv_blocks": max(0, (BUDGET - engine.weight_bytes) // engine._bytes_per_block()),
+        "kv_blocks": max(0, (BUDGET - engine.weight_bytes) // engine.bytes_per_block),
         "dtype": str(engine.model.dtype)}), flush=True)
 
 

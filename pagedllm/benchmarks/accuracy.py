@@ -80,7 +80,7 @@ def evaluate(model: Optional[str], dtype: str, num_tokens: int, budget_bytes: in
                   kv_cache_memory_bytes=256 * 2**20,
                   max_model_len=max(1024, num_tokens + 1), enable_prefix_caching=False)
         engine = llm.llm_engine
-        block_bytes = engine._bytes_per_block()
+        block_bytes = engine.bytes_per_block
         ppl = perplexity(llm, shipped_text_token_ids(llm.get_tokenizer(), num_tokens))
         greedy = greedy_outputs(llm)
         reference = greedy if reference is None else reference

@@ -14,8 +14,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from pagedllm.config import (EngineArgs, kv_cache_bytes_per_block, machine_memory,
-                             process_memory)
+from pagedllm.config import EngineArgs
 from pagedllm.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
@@ -23,16 +22,17 @@ from pagedllm.layers.quantization import weight_bytes
 from pagedllm.models.loader import (build_model, load_checkpoint, load_prequantized_int4, load_tokenizer,
                                     resolve_model_path)
 from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stats import IterationStats, ModelInfo, SchedulerStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.utils import cdiv, check_utf8
+from pagedllm.worker.kv_cache_sizing import bytes_per_block, determine_num_blocks
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-PromptType = Union[str, dict, list]
+__all__ = ["LLMEngine", "ParentRequest", "PromptType"]
 
 
 @dataclass
@@ -84,7 +84,7 @@ class LLMEngine:
 
         block_size = engine_args.block_size
         self.kv_cache_dtype = engine_args.kv_cache_torch_dtype(model.dtype)
-        num_blocks = self._determine_num_blocks()
+        num_blocks = determine_num_blocks(model, engine_args, self.kv_cache_dtype)
         capacity = num_blocks * block_size
         model_len = self.model_config.max_position_embeddings
         if engine_args.max_model_len is None:
@@ -108,19 +108,20 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, engine_args.max_num_seqs,
                                    engine_args.max_num_batched_tokens, self.max_model_len)
         self.model_runner = ModelRunner(model, num_blocks, block_size, engine_args.seed, self.kv_cache_dtype)
-        bytes_per_block = self._bytes_per_block()
+        self.bytes_per_block = bytes_per_block(model, block_size, self.kv_cache_dtype)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s; %d requests of "
                     "max_model_len=%d fit at once", num_blocks, block_size, capacity,
-                    num_blocks * bytes_per_block / 2**20, str(self.kv_cache_dtype).replace("torch.", ""),
+                    num_blocks * self.bytes_per_block / 2**20, str(self.kv_cache_dtype).replace("torch.", ""),
                     capacity // self.max_model_len, self.max_model_len)
         self.weight_bytes = weight_bytes(model)
         unquantized = getattr(model, "unquantized_weight_bytes", self.weight_bytes)
         logger.info("weights: %.1f MiB (%s; %.1f MiB unquantized): the %.1f MiB saved are room for %d KV "
                     "blocks (%s)", self.weight_bytes / 2**20, getattr(model, "quantization", None) or "not quantized",
                     unquantized / 2**20, (unquantized - self.weight_bytes) / 2**20,
-                    (unquantized - self.weight_bytes) // bytes_per_block,
+                    (unquantized - self.weight_bytes) // self.bytes_per_block,
                     "in the pool above" if engine_args.kv_cache_memory_bytes is None and
                     engine_args.num_gpu_blocks_override is None else "not used: the pool's size is set")
+        self.input_processor = InputProcessor(self.get_model_info())
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(tokenizer)
         self._child_to_parent: dict[str, str] = {}
@@ -133,52 +134,6 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
         return cls(engine_args)
-
-    # ----------------------------------------------------------------------------- sizing
-    def _bytes_per_block(self) -> int:
-        c = self.model_config
-        return kv_cache_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                                        self.args.block_size, self.kv_cache_dtype)
-
-    def _determine_num_blocks(self) -> int:
-        args = self.args
-        bytes_per_block = self._bytes_per_block()
-        if args.num_gpu_blocks_override is not None:
-            return args.num_gpu_blocks_override
-        if args.kv_cache_memory_bytes is not None:
-            budget = args.kv_cache_memory_bytes
-        else:
-            total, available = machine_memory()
-            used = process_memory()
-            peak = self._profile_activation_peak()
-            allowed = min(args.memory_utilization * total, used + available)
-            budget = int(allowed - used - peak)
-            logger.info("memory: %.0f MiB total, process %.0f MiB, warm-up activation peak %.0f MiB, "
-                        "KV budget %.0f MiB", total / 2**20, used / 2**20, peak / 2**20, budget / 2**20)
-        num_blocks = budget // bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {bytes_per_block} "
-                             "bytes: raise kv_cache_memory_bytes or memory_utilization")
-        return int(num_blocks)
-
-    def _profile_activation_peak(self) -> int:
-        """Peak extra resident memory (bytes) of one step at ``max_num_batched_tokens``."""
-        num_tokens = min(self.args.max_num_batched_tokens, self.model_config.max_position_embeddings)
-        runner = ModelRunner(self.model, cdiv(num_tokens, self.args.block_size), self.args.block_size,
-                             kv_cache_dtype=self.kv_cache_dtype)
-        params = SamplingParams(max_tokens=1)
-        request = Request("profile", [0] * num_tokens, params, max_tokens=1, eos_token_id=None)
-        table = list(range(runner.num_blocks))
-        before = process_memory()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM, the peak resident set size
-        except OSError:
-            pass
-        runner.execute_model([(request, num_tokens)], {"profile": table})
-        with open("/proc/self/status") as f:
-            peak = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), before)
-        return max(0, peak - before)
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -202,52 +157,15 @@ class LLMEngine:
                 ``max_num_seqs`` or needing more blocks than the pool, a non-string
                 ``cache_salt``, or a duplicate ``request_id``. Nothing is queued then.
         """
-        params = params or SamplingParams()
-        params.verify_vocab(self.model_config.vocab_size)
-        params.tokenize_bad_words(self.tokenizer)
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings {params.stop!r} need a tokenizer; this engine has none "
-                             "(use stop_token_ids)")
-        if cache_salt is None and isinstance(prompt, dict):
-            cache_salt = prompt.get("cache_salt")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}")
-        if request_id in self.parents:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
-        prompt_text, prompt_token_ids = self._tokenize(prompt)
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty (0 tokens); give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if num_prompt + 1 > self.max_model_len:
-            raise ValueError(f"the prompt has {num_prompt} tokens, but max_model_len is {self.max_model_len}"
-                             f"{self._capacity_note()} and at least one token must be generated: the "
-                             f"prompt may have at most {self.max_model_len - 1} tokens")
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt
-        elif num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
-                             f"{num_prompt + max_tokens} tokens exceeds max_model_len={self.max_model_len}"
-                             f"{self._capacity_note()}")
-        if params.n > self.args.max_num_seqs:
-            raise ValueError(f"n={params.n} is larger than max_num_seqs={self.args.max_num_seqs}: "
-                             "the samples of one request must run together")
-        # The samples share the prompt's full blocks; each needs its own blocks for the rest.
-        per_sample = cdiv(num_prompt + max_tokens, self.args.block_size)
-        shared = num_prompt // self.args.block_size
-        needed = shared + (per_sample - shared) * params.n
-        if needed > self.num_blocks:
-            raise ValueError(f"the request needs {needed} KV blocks (n={params.n} samples of "
-                             f"{num_prompt + max_tokens} tokens sharing {shared} prompt blocks) but "
-                             f"the KV cache has {self.num_blocks} blocks of {self.args.block_size} tokens")
-        parent = ParentRequest(request_id, prompt_text, prompt_token_ids)
-        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self._queue(self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt,
+                                                 in_flight=self.parents))
+
+    def _queue(self, processed: ProcessedRequest) -> None:
+        """Make the ``Request`` of each sample of an admitted request and schedule the first."""
+        request_id, params, max_tokens = processed.request_id, processed.sampling_params, processed.max_tokens
+        prompt_token_ids, arrival_time, cache_salt = (processed.prompt_token_ids, processed.arrival_time,
+                                                      processed.cache_salt)
+        parent = ParentRequest(request_id, processed.prompt, prompt_token_ids)
         for index in range(params.n):
             # A sample's id is a tuple, so no user id (a string) can ever equal it.
             child_id = request_id if params.n == 1 else (request_id, index)
@@ -268,28 +186,6 @@ class LLMEngine:
             self.scheduler.add_request(first)
         else:
             self._emit(parent)
-
-    def _capacity_note(self) -> str:
-        capacity = self.num_blocks * self.args.block_size
-        return (f" (the KV cache holds {capacity} tokens: {self.num_blocks} blocks of "
-                f"{self.args.block_size})")
-
-    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-        check_utf8(prompt)
-        if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer: give prompt_token_ids")
-        return prompt, self.tokenizer.encode(prompt)
 
     def abort_request(self, request_id: Union[str, list[str]]) -> None:
         """End requests now, waiting or running: every block is freed at once. The final

@@ -8,13 +8,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import RequestStream
-from pagedllm.engine.llm_engine import check_utf8
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing, SSEResponse,
                                                         close_all, collect_final, merge_streams, now_seconds,
                                                         random_id, run_until_disconnect,
                                                         sampling_params_error, sse, sse_with_errors, usage)
 from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.utils import check_utf8
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagedllm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineDrainingError,
                                           QueueFullError, RequestFailedError, RequestStream,
                                           RequestTimeoutError)
-from pagedllm.engine.llm_engine import PromptType, check_utf8
+from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -108,6 +108,8 @@ class OpenAIServing:
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]
         self.tokenizer = engine.model_info.tokenizer
+        # Stateless over the fixed model info: this thread tokenizes as the engine would.
+        self.input_processor = InputProcessor(engine.model_info)
         self.max_model_len = engine.model_info.max_model_len
 
     def check_model(self, model: Optional[str]) -> None:
@@ -133,12 +135,11 @@ class OpenAIServing:
         Raises:
             OpenAIError 400: no tokenizer, or text that is not valid UTF-8 (a lone surrogate).
         """
-        tokenizer = self.require_tokenizer("tokenize")
+        self.require_tokenizer("tokenize")
         try:
-            check_utf8(text, param)
+            return self.input_processor.encode(text, param, **kwargs)
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param=param) from exc
-        return tokenizer.encode(text, **kwargs)
 
     def require_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:

@@ -1,0 +1,78 @@
+"""How many KV blocks fit (vLLM's ``Worker.determine_available_memory``, nano-vllm's
+``allocate_kv_cache``): the memory left after the weights and one step's activation peak.
+
+Mechanism for the engine's constructor: it picks the number, the engine builds the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedllm.config import EngineArgs, kv_cache_bytes_per_block, machine_memory, process_memory
+from pagedllm.core.request import Request
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import cdiv
+from pagedllm.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from pagedllm.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def bytes_per_block(model: "LlamaForCausalLM", block_size: int, kv_cache_dtype: torch.dtype) -> int:
+    """Bytes of one block's K and V over every layer."""
+    c = model.config
+    return kv_cache_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                                    block_size, kv_cache_dtype)
+
+
+def determine_num_blocks(model: "LlamaForCausalLM", args: EngineArgs, kv_cache_dtype: torch.dtype) -> int:
+    """``num_gpu_blocks_override``, else ``kv_cache_memory_bytes`` in blocks, else what
+    ``memory_utilization`` of the machine leaves after this process and one step's activation
+    peak (profiled with a ``max_num_batched_tokens`` prefill).
+
+    Raises:
+        ValueError: a budget that holds no block.
+    """
+    block_bytes = bytes_per_block(model, args.block_size, kv_cache_dtype)
+    if args.num_gpu_blocks_override is not None:
+        return args.num_gpu_blocks_override
+    if args.kv_cache_memory_bytes is not None:
+        budget = args.kv_cache_memory_bytes
+    else:
+        total, available = machine_memory()
+        used = process_memory()
+        peak = profile_activation_peak(model, args, kv_cache_dtype)
+        allowed = min(args.memory_utilization * total, used + available)
+        budget = int(allowed - used - peak)
+        logger.info("memory: %.0f MiB total, process %.0f MiB, warm-up activation peak %.0f MiB, "
+                    "KV budget %.0f MiB", total / 2**20, used / 2**20, peak / 2**20, budget / 2**20)
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {block_bytes} "
+                         "bytes: raise kv_cache_memory_bytes or memory_utilization")
+    return int(num_blocks)
+
+
+def profile_activation_peak(model: "LlamaForCausalLM", args: EngineArgs, kv_cache_dtype: torch.dtype) -> int:
+    """Peak extra resident memory (bytes) of one step at ``max_num_batched_tokens``."""
+    num_tokens = min(args.max_num_batched_tokens, model.config.max_position_embeddings)
+    runner = ModelRunner(model, cdiv(num_tokens, args.block_size), args.block_size,
+                         kv_cache_dtype=kv_cache_dtype)
+    params = SamplingParams(max_tokens=1)
+    request = Request("profile", [0] * num_tokens, params, max_tokens=1, eos_token_id=None)
+    table = list(range(runner.num_blocks))
+    before = process_memory()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM, the peak resident set size
+    except OSError:
+        pass
+    runner.execute_model([(request, num_tokens)], {"profile": table})
+    with open("/proc/self/status") as f:
+        peak = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), before)
+    return max(0, peak - before)
