@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from tests.conftest import tiny_config, tiny_state_dict
 from pagedllm.config import EngineArgs
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
+from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantization import (KERNEL_MAX_ROWS, Int4Linear, Int8Linear, int4_from_q4_1,
                                           int4_from_q4_k, quantize_int4, quantize_int8, weight_bytes)
 from pagedllm.models.loader import build_model
@@ -150,8 +151,12 @@ def test_quantized_model_equals_float_model_with_dequantized_weights(method):
     assert quantized.unquantized_weight_bytes == weight_bytes(reference)
     for name, module in quantized.named_modules():
         if isinstance(module, (Int8Linear, Int4Linear)):
-            target = "embed_tokens" if name == "embed_tokens.table" else name
-            reference.get_submodule(target).weight.copy_(module.dequantize())
+            target = reference.get_submodule("embed_tokens" if name == "embed_tokens.table" else name)
+            if isinstance(target, Linear):  # possibly packed: install, then pack again
+                target.set_weight(module.dequantize(), torch.float32)
+                target.pack()
+            else:
+                target.weight.copy_(module.dequantize())
     assert isinstance(quantized.lm_head, Int8Linear) and quantized.lm_head.scales.dim() == 2
 
     ids = torch.arange(1, 33)

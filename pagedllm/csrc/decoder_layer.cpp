@@ -7,11 +7,13 @@
 // A linear layer arrives as a tensor list whose first element's dtype says its kind (the
 // attributes of pagedllm/layers/linear.py and quantization.py), with an optional trailing bias:
 //   float / bfloat16: [weight_t [in, out]] (+ bias)        -> mm / addmm
+//   packed (mkldnn):  [packed [out, in]] (+ bias)          -> mkldnn::_linear_pointwise
 //   int8:             [codes [N, K], scales] (+ bias)       -> int8_linear
 //   uint8 (int4):     [packed [N, K/2], scales, mins] (+ bias) -> int4_linear
 // (the quantized kernels on fp32 rows, bf16 activations widened and the result narrowed back).
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <tuple>
@@ -42,6 +44,15 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& params) {
       return widen ? y.to(x.scalar_type()) : y;
     }
     default:
+      if (first.is_mkldnn()) {  // Linear.packed: oneDNN's blocked layout (pagedllm/layers/linear.py)
+        static const auto op = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                     const std::optional<at::Tensor>&, c10::string_view,
+                                                     c10::List<std::optional<at::Scalar>>,
+                                                     std::optional<c10::string_view>)>();
+        return op.call(x, first, bias_at(1), "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+      }
       return params.size() > 1 ? at::addmm(params[1], x, first) : at::mm(x, first);
   }
 }

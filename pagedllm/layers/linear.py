@@ -1,25 +1,42 @@
-"""Dense linear layer with its weight stored transposed, ``[in_features, out_features]``.
+"""Dense linear layer: its weight stored transposed, ``[in_features, out_features]``, or
+pre-packed for oneDNN.
 
 ``torch.nn.functional.linear`` multiplies by a ``[out, in]`` weight through a transposed view,
-and on this CPU (torch 2.13, MKL) that path is 3-4x slower than a plain ``torch.mm`` by a
-``[in, out]`` contiguous weight at 8-32 rows, the batch sizes most decode steps run at
-(measured: ``bench/linear_layout.py``); at one row and at prefill sizes the two are equal. The
-layer therefore keeps only the transposed copy. The results are the same matmul in another
-blocking order: equal to ``F.linear`` up to fp32 rounding (the HF parity tests pin greedy
-output).
+and on an Intel Xeon without bf16 units (torch 2.13, MKL) that path was 3-4x slower than a
+plain ``torch.mm`` by a ``[in, out]`` contiguous weight at 8-32 rows (``bench/linear_layout.py``).
+Faster still is a weight reordered once into oneDNN's blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, the packing torch's inductor does for CPU linears)
+and multiplied by ``mkldnn::_linear_pointwise``: a plain bf16 ``torch.mm`` goes through oneDNN
+too but reorders the weight at every call. Measured on an AMD EPYC (Zen 4, AVX512_BF16), 1
+thread, a 576 x 3072 weight: bf16 78 -> 36 us at 1 row, 124 -> 82 at 16, 282 -> 234 at 64,
+1842 -> 1751 at 512, bitwise equal; fp32 (MKL there takes its slow non-Intel path) 97 -> 55 us
+at 1 row, 458 -> 196 at 16, 8457 -> 3756 at 512, equal to fp32 summation order. ``pack()``
+switches a layer to that form; ``PAGEDLLM_PACK_WEIGHTS=0`` keeps the plain ``torch.mm``.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import torch
 from torch import nn
+
+
+def packing_available() -> bool:
+    """Whether ``Linear.pack`` can pre-pack weights here (torch built with oneDNN, and not
+    turned off by ``PAGEDLLM_PACK_WEIGHTS=0``)."""
+    return (os.environ.get("PAGEDLLM_PACK_WEIGHTS", "1") != "0" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 class Linear(nn.Module):
     """``y = x @ weight.T + bias`` for ``x`` ``[num_tokens, in_features]``.
 
     Attributes:
-        weight_t: ``[in_features, out_features]`` contiguous, the compute dtype.
+        weight_t: ``[in_features, out_features]`` contiguous, the compute dtype; None once packed.
+        packed: the weight in oneDNN's blocked layout (an opaque ``[out, in]`` mkldnn tensor,
+            not a parameter: it has no storage), or None.
         bias: ``[out_features]`` or None.
     """
 
@@ -28,11 +45,24 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: Optional[torch.Tensor] = None
 
     @property
     def weight(self) -> torch.Tensor:
-        """The ``[out_features, in_features]`` weight as a view (no copy)."""
-        return self.weight_t.t()
+        """The ``[out_features, in_features]`` weight: a view (no copy), or a dense copy of a
+        packed weight."""
+        return self.packed.to_dense() if self.packed is not None else self.weight_t.t()
+
+    def pack(self) -> bool:
+        """Reorder the weight into oneDNN's layout and drop the plain copy. Returns whether it
+        did (False where ``packing_available()`` is False)."""
+        if self.packed is not None:
+            return True
+        if not packing_available():
+            return False
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_t.t().contiguous(), 1)
+        self.weight_t = None
+        return True
 
     def set_weight(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         """Install a ``[out_features, in_features]`` weight (any dtype), stored transposed.
@@ -44,15 +74,19 @@ class Linear(nn.Module):
             raise ValueError(f"expected a weight of shape {(self.out_features, self.in_features)}, "
                              f"got {tuple(weight.shape)}")
         self.weight_t = nn.Parameter(weight.to(dtype).t().contiguous(), requires_grad=False)
+        self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
 
     def kernel_args(self) -> list[torch.Tensor]:
-        """The tensors the C++ ``decode_layers`` op multiplies by: ``[weight_t]`` (+ ``bias``)."""
-        return [self.weight_t] + ([] if self.bias is None else [self.bias])
+        """The tensors the C++ ``decode_layers`` op multiplies by: ``[weight_t or packed]``
+        (+ ``bias``); the op tells the two apart by ``is_mkldnn``."""
+        return [self.weight_t if self.packed is None else self.packed] + ([] if self.bias is None else [self.bias])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

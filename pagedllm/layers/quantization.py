@@ -335,9 +335,11 @@ def quantize_model(model: nn.Module, method: str,
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, each distinct storage counted once."""
+    """Bytes of the model's parameters and buffers, each distinct storage counted once, and of
+    its oneDNN-packed linear weights (``Linear.packed``, which have no storage)."""
     seen: dict[int, int] = {}
     for tensor in list(model.parameters()) + list(model.buffers()):
         storage = tensor.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    packed = [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)]
+    return sum(seen.values()) + sum(p.numel() * p.element_size() for p in packed)

@@ -210,6 +210,17 @@ class LlamaForCausalLM(nn.Module):
             return None
         return native_ops()
 
+    def pack_linear_weights(self) -> int:
+        """Pre-pack every unquantized ``Linear`` for oneDNN (``Linear.pack``), the LM head too
+        unless the embedding reads its rows. Returns how many layers were packed."""
+        linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
+        head = self.lm_head
+        if isinstance(head, Linear) and head.weight_t is not None and (
+                self.embed_tokens.weight.untyped_storage().data_ptr() != head.weight_t.untyped_storage().data_ptr()):
+            linears.append(head)
+        self.decode_layer_args = None
+        return sum(linear.pack() for linear in linears)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[num_rows, hidden_size]`` -> ``[num_rows, vocab_size]`` fp32 logits.
 

@@ -217,6 +217,7 @@ def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype:
     model.load_hf_state_dict(state_dict, dtype)
     if quantization is not None:
         quantize_model(model, quantization, prequantized)
+    model.pack_linear_weights()
     return model.eval()
 
 
