@@ -14,11 +14,14 @@ output equals ``model.generate(num_beams=W, do_sample=False, length_penalty=...)
    running beam, normalized by its current length, cannot beat the worst of them.
 
 Memory is the paper's (Kwon et al. 2023, section 4.4, "Beam search"): a new beam is a fork of
-the beam it extends (its block table with ref count + 1), the beams that are not extended are
-freed, and a beam that writes into a block still shared with a sibling copies it first.
+the beam it extends (``LLMEngine.fork_request``: its block table with ref count + 1), the beams
+that are not extended are aborted (their blocks freed), and a beam that writes into a block
+still shared with a sibling copies it first.
 
-The search drives the KV cache manager and the model runner itself, step by step, like vLLM's
-``LLM.beam_search`` sits outside its engine loop: it runs on an idle engine.
+Like vLLM's ``LLM.beam_search`` this is a front end: each beam is an engine request (greedy,
+EOS ignored, ``W + 1`` logprobs) that ``LLMEngine.step()`` computes with the others; the
+search only reads each beam's newest logprobs and chooses whom to fork and abort. It runs on
+an idle engine.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from pagedllm.core.request import Request
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import Logprob
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.utils import cdiv
 
 if TYPE_CHECKING:
@@ -97,7 +100,8 @@ class BeamSearchOutput:
 
 @dataclass
 class _Beam:
-    request: Request
+    request_id: str  # its engine request
+    tokens: list[int]  # prompt + generated
     score: float  # sum of generated logprobs, as the fp32 value the selection computed
 
 
@@ -105,9 +109,9 @@ class _Beam:
 class _Group:
     """The beams of one prompt."""
 
-    prompt_token_ids: list[int]
     running: list[_Beam]
     finished: list[tuple[float, BeamSearchSequence]] = field(default_factory=list)
+    num_generated: int = 0
     done: bool = False
 
 
@@ -131,8 +135,8 @@ def beam_search(engine: "LLMEngine", prompts: list["PromptType"],
     if params.beam_width > engine.args.max_num_seqs:
         raise ValueError(f"beam_width={params.beam_width} is larger than max_num_seqs={engine.args.max_num_seqs}")
     token_lists = [_prompt_token_ids(engine, prompt, params.max_tokens) for prompt in prompts]
-    block_size = engine.args.block_size
-    num_blocks = engine.kv_cache_manager.num_blocks
+    block_size = engine.input_processor.model_info.block_size
+    num_blocks = engine.input_processor.model_info.num_blocks
     needs = [params.beam_width * cdiv(len(ids) + params.max_tokens, block_size) for ids in token_lists]
     for need, ids in zip(needs, token_lists):
         if need > num_blocks:
@@ -166,81 +170,63 @@ class _BeamSearch:
     def __init__(self, engine: "LLMEngine", params: BeamSearchParams) -> None:
         self.engine = engine
         self.params = params
-        self.kv = engine.kv_cache_manager
-        self.runner = engine.model_runner
+        self.vocab_size = engine.input_processor.model_info.vocab_size
         self.eos_token_id = None if params.ignore_eos else engine.eos_token_id
         self._ids = itertools.count()
-        self._sampling_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens)
+        # EOS is the search's business, not the engine's: no beam request ends by itself
+        # before max_tokens, when the search ends too.
+        self._sampling_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
+                                               logprobs=0, output_kind=RequestOutputKind.DELTA)
+        # A beam's best W + 1 tokens hold every candidate of HF's best 2W that the selection
+        # can take (of W + 1, at most one is EOS). Set after the check on purpose: MAX_LOGPROBS
+        # caps what a client's JSON carries, not the sampler.
+        self._sampling_params.logprobs = min(params.beam_width + 1, self.vocab_size)
 
-    def _new_request(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> Request:
-        request = Request(f"beam-{next(self._ids)}", prompt_token_ids, self._sampling_params,
-                          self.params.max_tokens, self.eos_token_id)
-        request.output_token_ids = output_token_ids
-        return request
+    def _new_id(self) -> str:
+        return f"beam-{next(self._ids)}"
 
     def run(self, token_lists: list[list[int]]) -> list[BeamSearchOutput]:
-        groups = [_Group(ids, [_Beam(self._new_request(ids, []), 0.0)]) for ids in token_lists]
+        groups = []
         try:
-            for num_generated in range(self.params.max_tokens):
-                live = [group for group in groups if not group.done]
-                if not live:
-                    break
-                requests = [beam.request for group in live for beam in group.running]
-                logits = self._compute(requests)
-                row = 0
-                for group in live:
-                    count = len(group.running)
-                    self._select(group, logits[row:row + count], num_generated + 1)
-                    row += count
+            for ids in token_lists:
+                beam = _Beam(self._new_id(), list(ids), 0.0)
+                groups.append(_Group([beam]))
+                self.engine.add_request(beam.request_id, {"prompt_token_ids": ids}, self._sampling_params)
+            while any(not group.done for group in groups):
+                newest = {}
+                for output in self.engine.step():
+                    logprobs = output.outputs[0].logprobs if output.outputs else None
+                    if logprobs:
+                        newest[output.request_id] = logprobs[-1]
+                for group in groups:
+                    if group.done:
+                        continue
+                    got = [beam.request_id in newest for beam in group.running]
+                    if any(got) and not all(got):
+                        # All beams decode in the same step: they fit max_num_seqs, the token
+                        # budget (>= max_num_seqs) and, by the waves' sizing, the pool.
+                        raise RuntimeError("beam search fell out of step: a group's beams were not "
+                                           "computed together")
+                    if all(got):
+                        self._select(group, [newest[beam.request_id] for beam in group.running])
         finally:
-            for group in groups:
-                for beam in group.running:
-                    self.kv.free(beam.request)
-                group.running = []
+            self.engine.abort_request([beam.request_id for group in groups for beam in group.running])
+            self.engine.step()  # hands out the aborted requests' outputs: the engine is idle again
         return [self._output(group) for group in groups]
 
-    def _compute(self, requests: list[Request]) -> torch.Tensor:
-        """Compute every request's uncomputed tokens in batches within the token budget.
-
-        Returns:
-            ``[len(requests), vocab]`` fp32 next-token logits, in ``requests`` order.
-        """
-        budget = self.engine.args.max_num_batched_tokens
-        for request in requests:
-            if request.num_computed_tokens == 0 and request.request_id not in self.kv.req_to_blocks:
-                blocks, num_cached = self.kv.get_computed_blocks(request)
-                if not self.kv.allocate_slots(request, 0, num_cached, blocks):
-                    raise RuntimeError("the KV cache ran out of blocks during beam search")
-                request.num_computed_tokens = num_cached
-        rows: dict[str, torch.Tensor] = {}
-        pending = list(requests)
-        while pending:
-            batch: list[tuple[Request, int]] = []
-            left = budget
-            for request in pending:
-                if left == 0:
-                    break
-                num_new = min(request.num_tokens - request.num_computed_tokens, left)
-                if not self.kv.allocate_slots(request, num_new):
-                    raise RuntimeError("the KV cache ran out of blocks during beam search")
-                batch.append((request, num_new))
-                left -= num_new
-            tables = {request.request_id: self.kv.get_block_ids(request.request_id) for request, _ in batch}
-            done, logits = self.runner.execute_model_for_logits(batch, tables, self.kv.take_pending_copies())
-            for request, num_new in batch:
-                request.num_computed_tokens += num_new
-                self.kv.cache_blocks(request)
-            for request, row in zip(done, logits):
-                rows[request.request_id] = row
-            pending = [request for request in pending if request.num_computed_tokens < request.num_tokens]
-        return torch.stack([rows[request.request_id] for request in requests])
-
-    def _select(self, group: _Group, logits: torch.Tensor, num_generated: int) -> None:
-        """One HF beam-search step for ``group``; ``logits`` ``[len(running), vocab]`` fp32."""
+    def _select(self, group: _Group, records: list[dict[int, Logprob]]) -> None:
+        """One HF beam-search step for ``group``; ``records[i]`` holds running beam ``i``'s
+        best next tokens and their fp32 log-softmax values."""
         width = self.params.beam_width
         length_penalty = self.params.length_penalty
+        group.num_generated += 1
+        num_generated = group.num_generated
         scores = torch.tensor([beam.score for beam in group.running], dtype=torch.float32)
-        totals = torch.log_softmax(logits, dim=-1) + scores[:, None]
+        logprobs = torch.full((len(records), self.vocab_size), -math.inf)
+        for row, record in enumerate(records):
+            logprobs[row, list(record)] = torch.tensor([entry.logprob for entry in record.values()],
+                                                       dtype=torch.float32)
+        totals = logprobs + scores[:, None]
         vocab = totals.shape[-1]
         top_values, top_indices = totals.view(-1).topk(min(2 * width, totals.numel()))
         normalized = (top_values / (num_generated ** length_penalty)).tolist()
@@ -255,33 +241,30 @@ class _BeamSearch:
             if hits:
                 # Only the best `width` candidates may finish; the rest only back up the search.
                 if rank < width:
-                    parent = group.running[beam_index].request
                     new_finished.append((normalized[rank], BeamSearchSequence(
-                        tokens=parent.all_token_ids + [token], cum_logprob=value,
+                        tokens=group.running[beam_index].tokens + [token], cum_logprob=value,
                         score=normalized[rank],
                         finish_reason="stop" if token == self.eos_token_id else "length")))
             elif len(next_running) < width:
                 next_running.append((beam_index, token, value))
         group.finished = sorted(group.finished + new_finished, key=lambda item: -item[0])[:width]
 
-        # Fork the extended beams before freeing the old ones, so that shared blocks survive.
-        old = group.running
-        group.running = []
-        for beam_index, token, value in next_running:
-            parent = old[beam_index].request
-            child = self._new_request(group.prompt_token_ids, parent.output_token_ids + [token])
-            self.kv.fork(parent, child)
-            child.num_computed_tokens = parent.num_computed_tokens
-            group.running.append(_Beam(child, value))
-        for beam in old:
-            self.kv.free(beam.request)
-
-        if at_length or not group.running:
+        if at_length or not next_running:
             group.done = True
         elif len(group.finished) == width:
-            best_possible = (torch.tensor(group.running[0].score, dtype=torch.float32)
+            best_possible = (torch.tensor(next_running[0][2], dtype=torch.float32)
                              / (num_generated ** length_penalty)).item()
             group.done = not best_possible > min(score for score, _ in group.finished)
+        old = group.running
+        group.running = []
+        if not group.done:
+            # Fork the extended beams before aborting the old ones, so that shared blocks survive.
+            for beam_index, token, value in next_running:
+                parent = old[beam_index]
+                child = _Beam(self._new_id(), parent.tokens + [token], value)
+                self.engine.fork_request(parent.request_id, child.request_id, token)
+                group.running.append(child)
+        self.engine.abort_request([beam.request_id for beam in old])
 
     def _output(self, group: _Group) -> BeamSearchOutput:
         tokenizer = self.engine.tokenizer

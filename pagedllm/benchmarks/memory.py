@@ -200,19 +200,19 @@ def measure_beam_sharing(llm, prompts: list[list[int]], beam_width: int, max_tok
     manager = engine.kv_cache_manager
     runner = engine.model_runner
     distinct, tables = [], []
-    execute_model_for_logits = runner.execute_model_for_logits
+    execute_model = runner.execute_model
 
-    def sampling_execute_model_for_logits(*args):
+    def sampling_execute_model(*args):
         distinct.append(manager.block_pool.num_used_blocks)
         tables.append(sum(len(blocks) for blocks in manager.req_to_blocks.values()))
-        return execute_model_for_logits(*args)
+        return execute_model(*args)
 
-    runner.execute_model_for_logits = sampling_execute_model_for_logits
+    runner.execute_model = sampling_execute_model
     try:
         llm.beam_search([{"prompt_token_ids": p} for p in prompts],
                         BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, ignore_eos=True))
     finally:
-        del runner.execute_model_for_logits
+        del runner.execute_model
     return _mean(distinct), _mean(tables)
 
 

@@ -199,6 +199,20 @@ class Scheduler:
                 self._append_token(sequence, sampled_token_ids[sequence.request_id], finished)
         return finished
 
+    def fork_request(self, parent: Request, child: Request, token_id: int) -> list[Request]:
+        """Start ``child`` on the running ``parent``'s computed blocks with ``token_id`` as its
+        next token: the fork of ``n > 1`` samples, for a child whose tokens equal the parent's
+        up to ``parent.num_computed_tokens``. The token passes the usual stop checks.
+
+        Returns:
+            ``[child]`` if the token ended it (its blocks are freed then), else ``[]``.
+        """
+        assert parent.status == RequestStatus.RUNNING and child.num_tokens == parent.num_computed_tokens, child
+        self._fork(parent, child)
+        finished: list[Request] = []
+        self._append_token(child, token_id, finished)
+        return finished
+
     def _fork(self, parent: Request, child: Request) -> None:
         """Start ``child`` (same prompt, not yet scheduled) on the parent's computed blocks."""
         self.kv_cache_manager.fork(parent, child)

@@ -25,7 +25,7 @@ from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stats import IterationStats, ModelInfo, SchedulerStats
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import RequestOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.kv_cache_sizing import bytes_per_block, determine_num_blocks
 from pagedllm.worker.model_runner import ModelRunner
@@ -187,6 +187,66 @@ class LLMEngine:
         else:
             self._emit(parent)
 
+    def fork_request(self, parent_id: str, child_id: str, token_id: int) -> None:
+        """Start request ``child_id`` as a copy of the running request ``parent_id`` whose
+        last sampled token is replaced by ``token_id`` (the primitive under beam search).
+
+        The child shares the parent's KV blocks (ref count + 1; copy-on-write when either
+        writes into a shared one), takes its sampling parameters and limits, and is scheduled
+        with the running requests from the next ``step()``, like a sample of ``n > 1``. Its
+        outputs report ``token_id`` and what follows; the tokens before are the parent's. It
+        ends like any request (EOS, stop, length), possibly on ``token_id`` itself: then its
+        final output comes out of the next ``step()``.
+
+        ``token_id`` must be the parent's last sampled token or one of the alternatives its
+        ``logprobs`` recorded with it: the child's logprob records and ``cumulative_logprob``
+        take the token's value from there.
+
+        Raises:
+            ValueError: an unknown or finished parent, one of ``n > 1`` samples, one whose last
+                sampled token is already computed (or that has none), one without ``logprobs``,
+                a token it did not record, or a non-string or in-flight ``child_id``.
+        """
+        if not isinstance(child_id, str):
+            raise ValueError(f"request_id must be a string, got {type(child_id).__name__} {child_id!r}")
+        if child_id in self.parents:
+            raise ValueError(f"request_id {child_id!r} is already in flight")
+        entry = self.parents.get(parent_id)
+        if entry is None or len(entry.children) != 1:
+            raise ValueError(f"fork_request needs an unfinished request of one sequence (n=1), got {parent_id!r}")
+        parent = entry.children[0]
+        if (parent.status != RequestStatus.RUNNING or not parent.output_token_ids
+                or parent.num_computed_tokens != parent.num_tokens - 1):
+            raise ValueError(f"request {parent_id!r} has no sampled token to replace: fork it right after "
+                             "the step that sampled one")
+        if parent.sampling_params.logprobs is None:
+            raise ValueError(f"request {parent_id!r} has no logprobs: fork_request takes the token's logprob "
+                             "from the parent's last record")
+        last = parent.logprobs[-1]
+        if token_id not in last.token_ids:
+            raise ValueError(f"token {token_id!r} is neither the token request {parent_id!r} sampled last nor "
+                             f"one of its top-{parent.sampling_params.logprobs} alternatives")
+        index = last.token_ids.index(token_id)
+        record = TokenLogprobs([token_id] + last.token_ids[1:], [last.logprobs[index]] + last.logprobs[1:],
+                               [last.ranks[index]] + last.ranks[1:])
+        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.max_tokens,
+                        parent.eos_token_id, parent.arrival_time, cache_salt=parent.cache_salt)
+        child.output_token_ids = parent.output_token_ids[:-1]
+        child.logprobs = parent.logprobs[:-1] + [record]
+        for kept in child.logprobs:  # summed in the order step() sums them
+            child.cumulative_logprob += kept.logprobs[0]
+        child.prompt_logprobs = list(parent.prompt_logprobs)
+        if parent.generator is not None:
+            child.generator.set_state(parent.generator.get_state())
+        self.parents[child_id] = ParentRequest(child_id, entry.prompt, entry.prompt_token_ids, [child])
+        self._child_to_parent[child_id] = child_id
+        self._scheduled_once.add(child_id)  # it never waited
+        self.output_processor.fork(child)
+        self.scheduler.fork_request(parent, child, token_id)
+        self._process_token(child, token_id)
+        if child.is_finished():
+            self._emit(self.parents[child_id])
+
     def abort_request(self, request_id: Union[str, list[str]]) -> None:
         """End requests now, waiting or running: every block is freed at once. The final
         ``RequestOutput`` (finish_reason ``"abort"``) comes out of the next ``step()``.
@@ -262,15 +322,7 @@ class LLMEngine:
         sampled = runner_output.sampled_token_ids
         finished = self.scheduler.update_from_output(scheduler_output, sampled)
         for request_id, token_id in sampled.items():
-            request = requests[request_id]
-            stop = self.output_processor.process_tokens(request, [token_id])
-            if stop is not None:
-                request.stop_reason = stop
-                if request.is_finished():
-                    # The length limit and the stop string came with the same token.
-                    request.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
+            self._process_token(requests[request_id], token_id)
         changed = {self._child_to_parent[request_id] for request_id in sampled}
         changed.update(self._child_to_parent[request.request_id] for request in finished)
         for parent_id in [pid for pid in self.parents if pid in changed]:
@@ -281,6 +333,17 @@ class LLMEngine:
             if all(child.is_finished() for child in parent.children):
                 self._forget(parent_id)
         return outputs
+
+    def _process_token(self, request: Request, token_id: int) -> None:
+        """Decode a token the request just got; a stop string in the text ends it."""
+        stop = self.output_processor.process_tokens(request, [token_id])
+        if stop is not None:
+            request.stop_reason = stop
+            if request.is_finished():
+                # The length limit and the stop string came with the same token.
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _iteration_stats(self, scheduler_output: SchedulerOutput, step_start: float) -> IterationStats:
         """What ``scheduler_output`` schedules; before the step advances ``num_computed_tokens``."""

@@ -25,6 +25,7 @@ class _SequenceState:
     sent_finished: bool = False
     prompt_logprobs: Optional[PromptLogprobs] = None
     sent_prompt_logprobs: bool = False
+    first_output: int = 0  # outputs before it belong to the sequence it was forked from
 
 
 class OutputProcessor:
@@ -48,6 +49,18 @@ class OutputProcessor:
                                                      request.sampling_params)
             state = self._states[request.request_id] = _SequenceState(detokenizer)
         return state
+
+    def fork(self, request: Request) -> None:
+        """Start the state of a sequence forked from another: its outputs so far are the
+        other's and are not reported again; its text starts at its next token."""
+        assert request.request_id not in self._states, request
+        first_output = len(request.output_token_ids)
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.all_token_ids, request.sampling_params)
+            detokenizer.num_output_tokens = first_output  # stop strings count after min_tokens
+        self._states[request.request_id] = _SequenceState(detokenizer, num_sent_tokens=first_output,
+                                                          first_output=first_output)
 
     def process_tokens(self, request: Request, new_token_ids: Sequence[int]) -> Optional[str]:
         """Decode the tokens the request just got (already appended to it).
@@ -86,8 +99,8 @@ class OutputProcessor:
             if delta and num_tokens == state.num_sent_tokens and not newly_finished:
                 continue
             if params.logprobs is not None:
-                state.logprobs.extend(self._to_dicts(child.logprobs[len(state.logprobs):]))
-            start = state.num_sent_tokens if delta else 0
+                state.logprobs.extend(self._to_dicts(child.logprobs[state.first_output + len(state.logprobs):]))
+            start = state.num_sent_tokens if delta else state.first_output
             text = ""
             if state.detokenizer is not None:
                 text = state.detokenizer.get_next_output_text(child.is_finished(), delta)
@@ -98,7 +111,7 @@ class OutputProcessor:
                 finish_reason=child.finish_reason,
                 stop_reason=child.stop_reason,
                 cumulative_logprob=child.cumulative_logprob if num_tokens else None,
-                logprobs=state.logprobs[start:] if params.logprobs is not None else None,
+                logprobs=state.logprobs[start - state.first_output:] if params.logprobs is not None else None,
             ))
             state.num_sent_tokens = num_tokens
             state.sent_finished = child.is_finished()
