@@ -134,23 +134,6 @@ class ModelRunner:
                     [ranks[row]] + list(range(1, k + 1)))
         return output
 
-    @torch.inference_mode()
-    def execute_model_for_logits(self, scheduled: Sequence[tuple[Request, int]],
-                                 block_tables: dict[str, list[int]],
-                                 blocks_to_copy: Sequence[tuple[int, int]] = ()
-                                 ) -> tuple[list[Request], torch.Tensor]:
-        """Run the forward for the scheduled tokens (see ``execute_model``) without sampling.
-
-        Returns:
-            ``(requests, logits)``: the requests whose chunk reaches ``num_tokens`` (each
-            followed by its ``pending_forks``) and their next-token logits
-            ``[len(requests), vocab_size]`` fp32.
-        """
-        forward = self._forward(scheduled, block_tables, blocks_to_copy)
-        if not forward.sample_requests:
-            return [], torch.empty(0, self.vocab_size)
-        return forward.sample_requests, self.model.compute_logits(forward.hidden[forward.sample_rows])
-
     def copy_blocks(self, blocks_to_copy: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: copy every layer's K and V of block ``src`` into block ``dst``."""
         src = torch.tensor([s for s, _ in blocks_to_copy])
