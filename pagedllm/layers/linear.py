@@ -11,11 +11,12 @@ too but reorders the weight at every call. Measured on an AMD EPYC (Zen 4, AVX51
 thread, a 576 x 3072 weight: bf16 78 -> 36 us at 1 row, 124 -> 82 at 16, 282 -> 234 at 64,
 1842 -> 1751 at 512, bitwise equal; fp32 (MKL there takes its slow non-Intel path) 97 -> 55 us
 at 1 row, 458 -> 196 at 16, 8457 -> 3756 at 512, equal to fp32 summation order. ``pack()``
-switches a layer to that form; ``PAGEDLLM_PACK_WEIGHTS=0`` keeps the plain ``torch.mm``.
+switches a layer to that form where ``packing_available`` says so for its dtype and CPU.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -23,11 +24,30 @@ import torch
 from torch import nn
 
 
-def packing_available() -> bool:
-    """Whether ``Linear.pack`` can pre-pack weights here (torch built with oneDNN, and not
-    turned off by ``PAGEDLLM_PACK_WEIGHTS=0``)."""
-    return (os.environ.get("PAGEDLLM_PACK_WEIGHTS", "1") != "0" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether ``Linear.pack`` pre-packs ``dtype`` weights on this CPU.
+
+    bfloat16: always where torch has oneDNN (a plain bf16 ``torch.mm`` reorders the weight at
+    every call). float32: ``torch.mm`` is MKL's GEMM, which runs a generic path on CPUs that
+    are not Intel's (oneDNN was 2-2.4x faster from 16 rows up on an AMD EPYC); on Intel CPUs it
+    stays MKL, the path the fp32 figures of an Ice Lake Xeon were measured with.
+    ``PAGEDLLM_PACK_WEIGHTS=0`` turns packing off, ``=1`` forces it on for float32 as well.
+    """
+    setting = os.environ.get("PAGEDLLM_PACK_WEIGHTS")
+    if setting == "0" or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn,
+                                                                                 "_reorder_linear_weight"):
+        return False
+    return dtype == torch.bfloat16 or setting == "1" or _cpu_vendor() != "GenuineIntel"
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_vendor() -> str:
+    """``vendor_id`` of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...; "" if unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
 
 
 class Linear(nn.Module):
@@ -55,10 +75,10 @@ class Linear(nn.Module):
 
     def pack(self) -> bool:
         """Reorder the weight into oneDNN's layout and drop the plain copy. Returns whether it
-        did (False where ``packing_available()`` is False)."""
+        did (False where ``packing_available`` says no for its dtype)."""
         if self.packed is not None:
             return True
-        if not packing_available():
+        if not packing_available(self.weight_t.dtype):
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_t.t().contiguous(), 1)
         self.weight_t = None

@@ -220,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         decode step (1 thread, AMD EPYC Zen 4, bf16, 1 row: 8.3 ms vs 1.5 ms packed;
         ``bench/linear_layout.py``).
         """
-        if not packing_available():
+        if not packing_available(self.dtype):
             return 0
         head = self.lm_head
         linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
