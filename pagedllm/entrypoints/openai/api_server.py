@@ -303,8 +303,11 @@ def check_port_free(host: str, port: int) -> None:
     """Bind ``host:port`` once and release it.
 
     Raises:
-        ValueError: the address cannot be bound (in use, not local, no permission).
+        ValueError: the port is outside [0, 65535], or the address cannot be bound (in use,
+            not local, no permission).
     """
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as probe:
