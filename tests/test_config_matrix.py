@@ -115,7 +115,7 @@ def test_tiny_model_native_equals_torch(dtype, quantization, kv_cache_dtype, nat
         engine = LLMEngine(EngineArgs.from_kwargs(
             dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=4, num_gpu_blocks_override=96,
             max_model_len=128, max_num_seqs=4, max_num_batched_tokens=48), model=model, tokenizer=None)
-        model.decode_layer_args = None
+        model.fused_decode.invalidate()
         return greedy_run(engine, prompts, max_tokens=12)
 
     native = run()
@@ -157,7 +157,7 @@ def smollm2_reference(smollm2_weights):
 
 
 def smollm2_engine(model, dtype: str, kv_cache_dtype: str, tokenizer) -> LLMEngine:
-    model.decode_layer_args = None
+    model.fused_decode.invalidate()
     return LLMEngine(EngineArgs.from_kwargs(dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=256,
                                             kv_cache_memory_bytes=32 * 2**20, max_num_seqs=4,
                                             max_num_batched_tokens=256), model=model, tokenizer=tokenizer)

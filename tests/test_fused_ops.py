@@ -175,13 +175,13 @@ def test_decode_layer_op_equals_python_layers(dtype, quantization, kv_cache_dtyp
     ids = torch.tensor([7, 100, 255])
 
     def run(fused):
-        model.fused_decode = fused
+        model.fused_decode.enabled = fused
         hidden = model(ids, positions, runner.kv_caches, metadata)
         return hidden, [t.clone() for cache in runner.kv_caches for t in cache]
 
     python_hidden, python_caches = run(False)
     native_hidden, native_caches = run(True)
-    assert model.decode_layer_args is not None  # the C++ path ran
+    assert model.fused_decode.layer_args is not None  # the C++ path ran
     assert torch.equal(native_hidden, python_hidden)
     assert all(torch.equal(a, b) for a, b in zip(native_caches, python_caches))
 

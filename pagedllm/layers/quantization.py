@@ -283,9 +283,9 @@ def _kernel_rows(x: torch.Tensor, in_features: int) -> bool:
     return x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS and in_features % INT4_GROUP_SIZE == 0
 
 
-def quantize_model(model: nn.Module, method: str,
-                   prequantized: Optional[dict[str, Int4Weight]] = None) -> None:
-    """Replace every linear layer of the decoder layers by its quantized form, in place.
+def quantize_model(model: nn.Module, prequantized: Optional[dict[str, Int4Weight]] = None) -> None:
+    """Replace every linear layer of the decoder layers by its quantized form, in place, by the
+    method the model was built with (``model.quantization``).
 
     The token embedding and the LM head become int8 with a scale per 32-weight group (one
     copy when tied): at one decode token the fp32 head was as many bytes as all the decoder
@@ -295,8 +295,8 @@ def quantize_model(model: nn.Module, method: str,
     embedding in, so that file's values are kept exactly.
 
     Args:
-        model: a ``LlamaForCausalLM`` (or subclass) with weights installed.
-        method: ``"int8"`` or ``"int4"``.
+        model: a ``LlamaForCausalLM`` (or subclass) with weights installed, built with
+            ``quantization="int8"`` or ``"int4"``.
         prequantized: for ``int4``, GGUF 4-bit weights by Hugging Face name
             (``model.layers.0.self_attn.q_proj.weight``); a fused layer uses them when every
             part is there, else quantizes its float weight.
@@ -305,6 +305,7 @@ def quantize_model(model: nn.Module, method: str,
         ValueError: unknown ``method``, or a layer whose ``in_features`` does not split into
             groups of 32 (``int4``).
     """
+    method = model.quantization
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
     prequantized = prequantized or {}
@@ -330,8 +331,7 @@ def quantize_model(model: nn.Module, method: str,
     model.lm_head = Int8Linear.from_float(model.lm_head.weight, model.lm_head.bias, grouped=True)
     table = model.lm_head if tied else Int8Linear.from_float(embedding, None, grouped=True)
     model.embed_tokens = Int8Embedding(table, model.dtype)
-    model.quantization = method
-    model.decode_layer_args = None
+    model.fused_decode.invalidate()
 
 
 def weight_bytes(model: nn.Module) -> int:

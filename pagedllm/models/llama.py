@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata, paged_attention
+from pagedllm.layers.fused_decode import FusedDecode
 from pagedllm.layers.linear import Linear, packing_available
-from pagedllm.layers.ops import add_rms_norm_, native_ops, rms_norm, rotary_embedding_, silu_and_mul
-from pagedllm.layers.quantization import KERNEL_MAX_ROWS
+from pagedllm.layers.ops import add_rms_norm_, rms_norm, rotary_embedding_, silu_and_mul
 
 
 @dataclass
@@ -137,38 +137,40 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.mlp(self.post_attention_layernorm(hidden, residual))
         return hidden, residual
 
-    def decode_layer_args(self) -> tuple[list[torch.Tensor], list[int]]:
-        """This layer's part of the C++ ``decode_layers`` op's ``weights`` and ``list_sizes``:
-        the two norm weights, then the tensors of the qkv, o, gate_up and down projections
-        (``kernel_args``), and those four lists' lengths."""
-        attn, mlp = self.self_attn, self.mlp
-        linears = [attn.qkv_proj.kernel_args(), attn.o_proj.kernel_args(), mlp.gate_up_proj.kernel_args(),
-                   mlp.down_proj.kernel_args()]
-        weights = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
-        return weights + [t for linear in linears for t in linear], [len(linear) for linear in linears]
-
 
 class LlamaForCausalLM(nn.Module):
     """The whole decoder. Weights are loaded with ``load_hf_state_dict``.
 
     ``forward`` takes the flat batch of this step and returns hidden states; ``compute_logits``
     runs the LM head only on the rows that sample.
+
+    Args:
+        config: the architecture.
+        dtype: the compute (and default KV cache) dtype, kept once the weights are quantized.
+        quantization: ``"int8"``, ``"int4"`` or None: the method ``quantize_model`` applies
+            to the loaded weights (vLLM's ``quant_config``; ``models/loader.py: build_model``).
+
+    Attributes:
+        fused_decode: runs the decoder layers of a decode-only step as one C++ call
+            (``layers/fused_decode.py``); ``fused_decode.enabled = False`` forces the Python layers.
+        unquantized_weight_bytes: the weights' bytes before ``quantize_model`` (None: not quantized).
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
+                 quantization: Optional[str] = None) -> None:
         super().__init__()
         self.config = config
+        self.dtype = dtype
+        self.quantization = quantization
+        self.unquantized_weight_bytes: Optional[int] = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
-        # (weights, list_sizes) of every layer for the C++ decode path, gathered on first use
-        # (None: not yet, or modules were replaced since); ``fused_decode = False`` forces the
-        # Python layers.
-        self.decode_layer_args: Optional[tuple[list[torch.Tensor], list[int]]] = None
-        self.fused_decode = True
+        # The layers are the standard Llama decoder layer, so the C++ op can run them.
+        self.fused_decode = FusedDecode(self.layers, self.rotary, config.rms_norm_eps, quantization)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -178,37 +180,12 @@ class LlamaForCausalLM(nn.Module):
         Returns: ``[num_tokens, hidden_size]`` final-normed hidden states.
         """
         hidden, residual = self.embed_tokens(input_ids), None
-        ops = self._decode_layer_ops(metadata, hidden.shape[0])
-        if ops is not None:
-            # A pure decode step: all layers in one C++ call running the same ops as the Python
-            # layers below (pagedllm/csrc/decoder_layer.cpp), so results are identical.
-            if self.decode_layer_args is None:
-                weights, list_sizes = [], []
-                for layer in self.layers:
-                    layer_weights, layer_sizes = layer.decode_layer_args()
-                    weights += layer_weights
-                    list_sizes += layer_sizes
-                self.decode_layer_args = (weights, list_sizes)
-            attn = self.layers[0].self_attn
-            hidden, residual = ops.decode_layers(
-                hidden, *self.decode_layer_args, self.config.rms_norm_eps, positions, self.rotary.cos,
-                self.rotary.sin, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                [key_cache for key_cache, _ in kv_caches], [value_cache for _, value_cache in kv_caches],
-                metadata.slot_mapping, metadata.decode_block_tables, metadata.decode_context_lens)
-            return self.norm(hidden, residual)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.rotary)
+        if self.fused_decode.applies(metadata, hidden.shape[0]):
+            hidden, residual = self.fused_decode(hidden, positions, kv_caches, metadata)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.rotary)
         return self.norm(hidden, residual)
-
-    def _decode_layer_ops(self, metadata: AttentionMetadata, num_tokens: int):
-        """The C++ ops when this step can run through ``decode_layers``, else None: one token
-        per sequence, and for quantized weights a batch the quantized kernels take
-        (``KERNEL_MAX_ROWS``)."""
-        if not self.fused_decode or metadata.prefills or metadata.num_decode_tokens != num_tokens or not num_tokens:
-            return None
-        if getattr(self, "quantization", None) and num_tokens > KERNEL_MAX_ROWS:
-            return None
-        return native_ops()
 
     def pack_linear_weights(self) -> int:
         """Pre-pack every unquantized ``Linear`` for oneDNN (``Linear.pack``), the LM head
@@ -228,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
             if self.embed_tokens.weight.untyped_storage().data_ptr() == head.weight_t.untyped_storage().data_ptr():
                 self.embed_tokens.weight = nn.Parameter(head.weight_t.t().contiguous(), requires_grad=False)
             linears.append(head)
-        self.decode_layer_args = None
+        self.fused_decode.invalidate()
         return sum(linear.pack() for linear in linears)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -243,8 +220,8 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).float()
         return self.lm_head(hidden, out_dtype=torch.float32)
 
-    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-        """Install weights named as in Hugging Face ``LlamaForCausalLM``, cast to ``dtype``.
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Install weights named as in Hugging Face ``LlamaForCausalLM``, cast to ``self.dtype``.
 
         Q/K/V and gate/up are concatenated into the fused projections. A missing
         ``lm_head.weight`` (or ``tie_word_embeddings``) ties the head to the embedding. Works on
@@ -270,8 +247,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r}: expected shape {expected}, got {tuple(value.shape)}")
             setattr(module, attr, nn.Parameter(value.to(dtype).contiguous(), requires_grad=False))
 
-        self.dtype = dtype  # the compute (and KV cache) dtype, also once weights are quantized
-        self.decode_layer_args = None
+        dtype = self.dtype
+        self.fused_decode.invalidate()
         put(self.embed_tokens, "weight", take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         put(self.norm, "weight", take("model.norm.weight"), "model.norm.weight")
         for i, layer in enumerate(self.layers):

@@ -213,10 +213,10 @@ def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype:
         raise ValueError(f"architecture {config.architecture!r} is not supported "
                          f"(supported: {SUPPORTED_ARCHITECTURES})")
     with torch.device("meta"):
-        model = model_class(config)
-    model.load_hf_state_dict(state_dict, dtype)
-    if quantization is not None:
-        quantize_model(model, quantization, prequantized)
+        model = model_class(config, dtype, quantization)
+    model.load_hf_state_dict(state_dict)
+    if model.quantization is not None:
+        quantize_model(model, prequantized)
     model.pack_linear_weights()
     return model.eval()
 

@@ -8,6 +8,10 @@ the model is ``LlamaForCausalLM`` with Qwen2's configuration defaults.
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
+
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
 
 
@@ -21,7 +25,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     # Hugging Face's Qwen2Config has no ``attention_bias`` key: the biases are implied.
     hf_config_defaults = {"attention_bias": True}
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
+                 quantization: Optional[str] = None) -> None:
         if not config.attention_bias:
             raise ValueError("Qwen2 needs attention_bias=True (q/k/v projections have biases)")
-        super().__init__(config)
+        super().__init__(config, dtype, quantization)

@@ -1,0 +1,94 @@
+"""All decoder layers of a decode-only step in one C++ call: ``csrc/decoder_layer.cpp``'s
+``decode_layers``.
+
+The op runs the standard Llama decoder layer (RMSNorm, fused QKV with optional bias, RoPE,
+KV write, paged decode attention, o projection, RMSNorm fused with the residual add, gate/up,
+SiLU x up, down) with the same ops in the same order as the Python layers, so its results are
+bitwise theirs, without ~10 Python-level calls per layer (a third of a single-stream step
+before) or the Python loop over layers. A model whose decoder layers have that shape owns a
+``FusedDecode`` over them and asks it first in ``forward``; every other step runs the Python
+layers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.ops import native_ops
+from pagedllm.layers.quantization import KERNEL_MAX_ROWS
+
+
+def layer_args(layer: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
+    """One layer's part of ``decode_layers``'s ``weights`` and ``list_sizes``: the two norm
+    weights, then the tensors of the qkv, o, gate_up and down projections (``kernel_args``),
+    and those four lists' lengths.
+
+    ``layer`` has the standard shape: ``input_layernorm``, ``self_attn.{qkv_proj, o_proj}``,
+    ``post_attention_layernorm``, ``mlp.{gate_up_proj, down_proj}``.
+    """
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [attn.qkv_proj.kernel_args(), attn.o_proj.kernel_args(), mlp.gate_up_proj.kernel_args(),
+               mlp.down_proj.kernel_args()]
+    weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    return weights + [t for linear in linears for t in linear], [len(linear) for linear in linears]
+
+
+class FusedDecode:
+    """Runs a model's standard decoder layers through ``decode_layers`` when a step allows it.
+
+    Args:
+        layers: the decoder layers (see ``layer_args``), in order.
+        rotary: the model's ``RotaryEmbedding`` (``cos``/``sin`` tables).
+        rms_norm_eps: the layers' RMSNorm epsilon.
+        quantization: the model's method (``"int8"``, ``"int4"``) or None.
+
+    Attributes:
+        enabled: False forces the Python layers (tests compare the two).
+        layer_args: ``(weights, list_sizes)`` of every layer, gathered on first use; None when
+            not yet, or when the layers' modules or weights were replaced since
+            (``invalidate``).
+    """
+
+    def __init__(self, layers: nn.ModuleList, rotary, rms_norm_eps: float,
+                 quantization: Optional[str]) -> None:
+        self.layers, self.rotary, self.rms_norm_eps = layers, rotary, rms_norm_eps
+        self.quantization = quantization
+        self.enabled = True
+        self.layer_args: Optional[tuple[list[torch.Tensor], list[int]]] = None
+
+    def invalidate(self) -> None:
+        """Forget the gathered weights: call after replacing or re-packing any layer's modules."""
+        self.layer_args = None
+
+    def applies(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether this step can run through ``decode_layers``: the C++ ops are built, one token
+        per sequence, and for quantized weights a batch the quantized kernels take
+        (``KERNEL_MAX_ROWS``)."""
+        if not self.enabled or metadata.prefills or metadata.num_decode_tokens != num_tokens or not num_tokens:
+            return False
+        if self.quantization and num_tokens > KERNEL_MAX_ROWS:
+            return False
+        return native_ops() is not None
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """All layers over the embedded decode tokens ``hidden``; returns ``(hidden, residual)``
+        as the last Python layer would (the final norm is the model's). Only where ``applies``."""
+        if self.layer_args is None:
+            weights, list_sizes = [], []
+            for layer in self.layers:
+                layer_weights, layer_sizes = layer_args(layer)
+                weights += layer_weights
+                list_sizes += layer_sizes
+            self.layer_args = (weights, list_sizes)
+        attn = self.layers[0].self_attn
+        return native_ops().decode_layers(
+            hidden, *self.layer_args, self.rms_norm_eps, positions, self.rotary.cos, self.rotary.sin,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+            [key_cache for key_cache, _ in kv_caches], [value_cache for _, value_cache in kv_caches],
+            metadata.slot_mapping, metadata.decode_block_tables, metadata.decode_context_lens)
