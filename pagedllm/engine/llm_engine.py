@@ -114,7 +114,7 @@ class LLMEngine:
                     num_blocks * self.bytes_per_block / 2**20, str(self.kv_cache_dtype).replace("torch.", ""),
                     capacity // self.max_model_len, self.max_model_len)
         self.weight_bytes = weight_bytes(model)
-        unquantized = getattr(model, "unquantized_weight_bytes", self.weight_bytes)
+        unquantized = model.unquantized_weight_bytes or self.weight_bytes
         if getattr(model, "quantization", None):
             logger.info("weights: %.1f MiB (%s; %.1f MiB unquantized): the %.1f MiB saved are room for %d KV "
                         "blocks (%s)", self.weight_bytes / 2**20, model.quantization, unquantized / 2**20,

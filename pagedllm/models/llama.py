@@ -194,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
         A head tied to the embedding is untied first: the embedding keeps a plain copy of the
         table to look rows up in (SmolLM2: 28M more parameters, 57 MiB in bf16), because an
         unpacked head costs more than it saves: ``torch.mm`` reorders its 57 MiB for every
-        decode step (1 thread, AMD EPYC Zen 4, bf16, 1 row: 8.3 ms vs 1.5 ms packed;
+        decode step (1 thread, AMD EPYC family 26, bf16, 1 row: 8.3 ms vs 1.5 ms packed;
         ``bench/linear_layout.py``).
         """
         if not packing_available(self.dtype):
