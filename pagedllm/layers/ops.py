@@ -27,7 +27,12 @@ SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused_ops.cpp", "qua
 HEADERS = [CSRC / "cpu_vec.h", CSRC / "ops.h"]
 
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+def cflags() -> list[str]:
+    """The compiler flags: ``-march=native`` unless ``PAGEDLLM_MARCH`` names another target
+    (the tests build ``x86-64-v3``, AVX2 without AVX-512, to run the portable code paths on a
+    CPU that has AVX-512)."""
+    return ["-O3", f"-march={os.environ.get('PAGEDLLM_MARCH', 'native')}", "-fopenmp"]
+
 
 
 def _cpu_flags() -> str:
@@ -53,7 +58,7 @@ def build_directory() -> Path:
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    digest.update(" ".join(CFLAGS + [torch.__version__, _cpu_flags()]).encode())
+    digest.update(" ".join(cflags() + [torch.__version__, _cpu_flags()]).encode())
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     return root / f"pagedllm_ops_{digest.hexdigest()[:16]}"
 
@@ -81,7 +86,7 @@ def _load_extension(directory: Path) -> None:
         if stale.exists():
             logger.warning("removing %s, left by a build that was interrupted", stale)
             stale.unlink(missing_ok=True)
-        cpp_extension.load(name=directory.name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+        cpp_extension.load(name=directory.name, sources=[str(s) for s in SOURCES], extra_cflags=cflags(),
                            extra_ldflags=["-fopenmp"], build_directory=str(directory),
                            is_python_module=False, verbose=False)
 
