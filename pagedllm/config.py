@@ -178,6 +178,10 @@ class EngineArgs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({self.max_num_seqs}): every running request needs "
                              "a token of the budget to decode")
+        if self.enable_prefix_caching is None:  # vLLM's "the platform's default": on here
+            self.enable_prefix_caching = True
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) != 1:
                 raise ValueError(f"{name}={getattr(self, name)} is not supported: pagedllm runs on one CPU "

@@ -111,3 +111,16 @@ def test_help_shows_the_defaults():
     assert "(default 0.9)" in help_text
     assert "reuse KV blocks of identical prompt prefixes (default" in help_text
     assert "prefixes (default False)" in " ".join(subparser(["bench", "throughput"]).format_help().split())
+
+
+@pytest.mark.parametrize("value", ["yes", 1, "False"])
+def test_enable_prefix_caching_must_be_a_bool(value):
+    """Found by the fresh-user check: enable_prefix_caching="yes" was accepted."""
+    with pytest.raises(ValueError, match=rf"enable_prefix_caching must be True or False, got {value!r}"):
+        EngineArgs(enable_prefix_caching=value).verify()
+
+
+def test_enable_prefix_caching_none_means_the_default_as_in_vllm():
+    args = EngineArgs(enable_prefix_caching=None)
+    args.verify()
+    assert args.enable_prefix_caching is True
