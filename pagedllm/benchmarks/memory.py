@@ -161,27 +161,25 @@ def shared_prefix_workload(tokenizer, num_requests: int = 64, prefix_tokens: int
 
 def measure_shared_prefix(llm_factory: Callable[[bool], object], workload: list[BenchRequest],
                           log: Callable[[str], None] = print) -> dict:
-    """(b): peak blocks, prompt tokens computed and elapsed time with caching on and off."""
+    """(b): peak blocks, prompt tokens computed and elapsed time with caching on and off.
+
+    Drives the engine through its public loop (``add_request`` / ``step``) and reads only the
+    ``SchedulerStats`` snapshot each step publishes: ``iteration.num_prompt_tokens`` counts the
+    prompt tokens actually computed (cache hits are not), ``num_used_blocks`` the blocks in use.
+    """
     figures = {}
     for caching in (False, True):
-        llm = llm_factory(caching)
-        engine = llm.llm_engine
+        engine = llm_factory(caching).llm_engine
         counts = {"prompt_tokens_computed": 0, "peak_blocks": 0}
-        schedule = engine.scheduler.schedule
-
-        def counting_schedule():
-            output = schedule()
-            for request, num_new in output.scheduled:
-                start = request.num_computed_tokens
-                counts["prompt_tokens_computed"] += max(0, min(start + num_new, request.num_prompt_tokens) - start)
-            counts["peak_blocks"] = max(counts["peak_blocks"], engine.kv_cache_manager.block_pool.num_used_blocks)
-            return output
-
-        engine.scheduler.schedule = counting_schedule
-        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
-        params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
+        for index, request in enumerate(workload):
+            engine.add_request(str(index), {"prompt_token_ids": request.prompt_token_ids},
+                               SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True))
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        while engine.has_unfinished_requests():
+            engine.step()
+            stats = engine.make_stats()
+            counts["prompt_tokens_computed"] += stats.iteration.num_prompt_tokens
+            counts["peak_blocks"] = max(counts["peak_blocks"], stats.num_used_blocks)
         counts["elapsed_s"] = time.perf_counter() - start
         figures["on" if caching else "off"] = counts
         log(f"    prefix caching {'on ' if caching else 'off'}: peak {counts['peak_blocks']:4d} blocks in use, "
