@@ -7,6 +7,11 @@ Names are vLLM's (``vllm/v1/metrics/loggers.py``: ``PrometheusStatLogger`` and
 near the limit" is one expression) and ``pagedllm:engine_healthy`` (0 once the engine loop died,
 while the HTTP server still answers).
 
+Three gauges are exported under vLLM's own names as well: ``vllm:num_requests_running``,
+``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc``. Routers and autoscalers built for
+vLLM read exactly these (vllm-project/production-stack's router, the Gateway API Inference
+Extension's endpoint picker), so they can route to pagedllm unchanged; three series cost nothing.
+
 Everything is counted per *sequence* (one sample of an ``n > 1`` request), as vLLM v1 counts
 its engine-core requests: ``n=2`` adds 2 to ``request_success`` and observes 2 TTFTs.
 
@@ -68,6 +73,18 @@ class _RequestStats:
     sequences: dict[int, _SequenceStats] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _TwinGauge:
+    """One value exported under two names (``pagedllm:`` and vLLM's ``vllm:``)."""
+
+    own: Gauge
+    vllm: Gauge
+
+    def set(self, value: float) -> None:
+        self.own.set(value)
+        self.vllm.set(value)
+
+
 class EngineMetrics:
     """The Prometheus series of one served model, updated from the engine loop thread.
 
@@ -91,6 +108,10 @@ class EngineMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"pagedllm:{name}", doc, labels, registry=self.registry).labels(model_name)
 
+        def vllm_compatible_gauge(name: str, doc: str) -> "_TwinGauge":
+            return _TwinGauge(gauge(name, doc), Gauge(f"vllm:{name}", doc + " (vLLM's name)", labels,
+                                                      registry=self.registry).labels(model_name))
+
         def counter(name: str, doc: str) -> Counter:
             return Counter(f"pagedllm:{name}", doc, labels, registry=self.registry).labels(model_name)
 
@@ -98,10 +119,10 @@ class EngineMetrics:
             return Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets,
                              registry=self.registry).labels(model_name)
 
-        self.num_requests_running = gauge("num_requests_running", "Sequences in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc",
-                                         "Fraction of KV cache blocks in use (1 = 100 percent).")
+        self.num_requests_running = vllm_compatible_gauge("num_requests_running", "Sequences in the running batch.")
+        self.num_requests_waiting = vllm_compatible_gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_cache_usage_perc = vllm_compatible_gauge("kv_cache_usage_perc",
+                                                         "Fraction of KV cache blocks in use (1 = 100 percent).")
         self.max_num_seqs = gauge("max_num_seqs", "Configured limit of sequences running at once.")
         self.engine_healthy = gauge("engine_healthy", "1 while the engine loop runs, 0 once it died.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of sequences that got a first token.")

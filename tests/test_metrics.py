@@ -155,3 +155,24 @@ def test_alert_rules_pass_promtool_and_dashboard_queries_parse(tmp_path):
     result = subprocess.run([PROMTOOL, "check", "rules", str(tmp_path / "dashboard_rules.yml")],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_vllm_named_gauges_mirror_the_engine_snapshot():
+    """Routers built for vLLM read ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedllm.engine.stats import SchedulerStats
+
+    metrics = EngineMetrics("m", 64, 16, 64, log_interval=None)
+    metrics.update_gauges(SchedulerStats(num_running_reqs=3, num_waiting_reqs=5, num_blocks=8, num_used_blocks=2))
+    values = {(sample.name, sample.labels["model_name"]): sample.value
+              for family in text_string_to_metric_families(metrics.render().decode())
+              for sample in family.samples if "model_name" in sample.labels}
+    for prefix in ("pagedllm", "vllm"):
+        assert values[(f"{prefix}:num_requests_running", "m")] == 3
+        assert values[(f"{prefix}:num_requests_waiting", "m")] == 5
+        assert values[(f"{prefix}:kv_cache_usage_perc", "m")] == 0.25
+    metrics.engine_died()
+    values = {sample.name: sample.value for family in text_string_to_metric_families(metrics.render().decode())
+              for sample in family.samples}
+    assert values["vllm:num_requests_waiting"] == 0 and values["vllm:kv_cache_usage_perc"] == 0
