@@ -124,3 +124,14 @@ def test_enable_prefix_caching_none_means_the_default_as_in_vllm():
     args = EngineArgs(enable_prefix_caching=None)
     args.verify()
     assert args.enable_prefix_caching is True
+
+
+def test_ctrl_c_exits_130_with_one_line_and_no_traceback(monkeypatch, capsys):
+    from pagedllm.entrypoints import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_models", interrupted)
+    assert cli.main(["models"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"

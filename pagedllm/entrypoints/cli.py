@@ -171,6 +171,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C (while loading, building the C++ ops or generating) is a request, not a crash.
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
