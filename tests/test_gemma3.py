@@ -283,7 +283,7 @@ def test_gemma3_270m_served(gemma_llm, tmp_path):
     prompt = "The capital of France is"
     expected = gemma_llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
                                   use_tqdm=False)[0].outputs[0].text
-    server = ServerProcess("--model", GEMMA, "--dtype", "float32", "--max-model-len", "1024",
+    server = ServerProcess("--model", GEMMA, "--dtype", "float32", "--max-model-len", "512",
                            "--kv-cache-memory-bytes", str(32 * 2**20), log_path=tmp_path / "server.log")
     try:
         server.wait_ready()
