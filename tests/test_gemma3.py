@@ -214,6 +214,13 @@ def fake_split_model(tmp_path, monkeypatch, stated_digest: str | None) -> NamedM
     return model
 
 
+@needs_gemma
+def test_gemma_registry_entry_reads_the_packaged_sha256():
+    model = NAMED_MODELS[GEMMA]
+    assert model.expected_sha256() == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    assert sum(p.stat().st_size for p in model.part_paths()) == model.size_bytes
+
+
 def test_split_model_checked_against_the_stated_sha256(tmp_path, monkeypatch):
     fake_split_model(tmp_path / "packages", monkeypatch, stated_digest=None)
     path = resolve_named_model("fake", tmp_path / "cache")

@@ -19,8 +19,10 @@ Computes what Hugging Face ``transformers`` ``models/gemma3/modeling_gemma3.py``
 
 Decode runs the Python layers: the fused C++ decode op (``layers/fused_decode.py``,
 ``csrc/decoder_layer.cpp``) implements the Llama layer op for op, and Gemma's extra norms,
-GELU and windowed attention would need a second op list there; this model's single-stream
-step is dominated by its 262k-row LM head rather than by per-op Python overhead.
+GELU and windowed attention would need a second op list there. For the 270M model the matrix
+products dominate a single-stream step anyway (92 % of its CPU time in ``_linear_pointwise``,
+bf16, measured under load): the tied 262k-row LM head alone is 335 MB of bf16 weights read per
+step, against 200 MB for all 18 layers.
 """
 
 from __future__ import annotations
