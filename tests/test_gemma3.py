@@ -303,3 +303,31 @@ def test_gemma3_270m_served(gemma_llm, tmp_path):
         assert chat.status_code == 400 and "no chat template" in chat.text
     finally:
         assert server.stop() == 0, (tmp_path / "server.log").read_text()
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("rope_scaling", {"rope_type": "linear", "factor": 8.0}, "rope_scaling"),
+    ("rope_parameters", {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}, "rope_type"),
+    ("final_logit_softcapping", 30.0, "final_logit_softcapping"),
+    ("hidden_activation", "gelu", "hidden_activation")])
+def test_unsupported_gemma_configs_are_refused(key, value, message):
+    from pagedllm.models.gemma3 import Gemma3ForCausalLM
+
+    raw = {"num_hidden_layers": 2, key: value}
+    with pytest.raises(ValueError, match=message):
+        Gemma3ForCausalLM.config_from_hf(raw, {})
+
+
+def test_hub_style_gemma_config_is_read():
+    """google/gemma-3-270m's config.json spells the RoPE bases as ``rope_theta`` and
+    ``rope_local_base_freq`` (no ``rope_parameters``) and may omit ``layer_types``."""
+    from tests.conftest import tiny_config
+    from pagedllm.models.gemma3 import Gemma3ForCausalLM
+
+    common = vars(tiny_config(num_hidden_layers=7, tie_word_embeddings=False))
+    raw = {"num_hidden_layers": 7, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+           "sliding_window": 512, "query_pre_attn_scalar": 256}
+    config = Gemma3ForCausalLM.config_from_hf(raw, common)
+    assert (config.rope_theta, config.rope_local_base_freq) == (1_000_000.0, 10_000.0)
+    assert (config.sliding_window, config.query_pre_attn_scalar, config.tie_word_embeddings) == (512, 256.0, True)
+    assert config.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")

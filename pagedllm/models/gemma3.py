@@ -262,7 +262,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         loader's Llama fields ``common``.
 
         Raises:
-            ValueError: logit soft-capping (Gemma 2), or an activation other than GELU-tanh.
+            ValueError: logit soft-capping (Gemma 2), an activation other than GELU-tanh, or
+                scaled RoPE (Gemma 3 4B-27B's global layers).
         """
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
             if raw.get(key) is not None:
@@ -270,6 +271,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         activation = raw.get("hidden_activation", "gelu_pytorch_tanh")
         if activation != "gelu_pytorch_tanh":
             raise ValueError(f"hidden_activation {activation!r} is not supported (gelu_pytorch_tanh only)")
+        if raw.get("rope_scaling") is not None:
+            raise ValueError(f"rope_scaling={raw['rope_scaling']} is not supported (default RoPE only; "
+                             "the 4B-27B models scale it)")
         rope = raw.get("rope_parameters") or {}
         for layer_type in (FULL, SLIDING):
             if (rope.get(layer_type) or {}).get("rope_type", "default") != "default":
