@@ -238,8 +238,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         num_layers = raw["num_hidden_layers"]
         scalar = raw["hidden_size"] // raw["num_attention_heads"] if num_layers == 62 else raw["head_dim"]
         raw.update({
-            "architectures": ["Gemma3ForCausalLM"],
-            "model_type": "gemma3_text",
             "rope_parameters": {FULL: {"rope_type": "default", "rope_theta": raw.pop("rope_theta")},
                                 SLIDING: {"rope_type": "default", "rope_theta": 10000.0}},
             "sliding_window": int(field("attention.sliding_window", 4096)),

@@ -60,7 +60,7 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "gemma3_t
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 # GGUF ``general.architecture`` -> Hugging Face ``model_type``.
 _GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
-_HF_ARCHITECTURE_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HF_ARCHITECTURE_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp permutes Q/K rows for these architectures only (its "normal" RoPE); qwen2 uses the
 # NEOX ("rotate half") layout that Hugging Face uses, so its rows are stored as they are.
 _ROPE_PERMUTED_ARCHITECTURES = ("llama",)
@@ -262,8 +262,8 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     raw_config = {
-        "architectures": [_HF_ARCHITECTURE_NAMES.get(arch)],
-        "model_type": arch,
+        "architectures": [_HF_ARCHITECTURE_NAMES[arch]],
+        "model_type": _GGUF_MODEL_TYPES[arch],
         "vocab_size": int(vocab),
         "hidden_size": hidden_size,
         "intermediate_size": int(_gguf_field(reader, f"{arch}.feed_forward_length")),

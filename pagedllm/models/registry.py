@@ -48,7 +48,8 @@ class NamedModel:
     sha256_file: Optional[tuple[str, str]] = None
 
     def part_paths(self) -> Optional[list[Path]]:
-        """Paths of the installed data files, or None when a package is missing."""
+        """Paths of the installed data files, or None when a package (or the file stating
+        the SHA256) is missing."""
         files = self.parts + ((self.sha256_file,) if self.sha256_file else ())
         paths = [_package_file(module, relative) for module, relative in files]
         if any(path is None for path in paths):
