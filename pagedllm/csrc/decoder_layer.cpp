@@ -83,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   reshape_and_cache_(qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size), key_cache,
                      value_cache, slot_mapping);
   const at::Tensor query = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-  const at::Tensor attn = paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale);
+  const at::Tensor attn = paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, 0);
   const at::Tensor attn_out = linear(attn.view({tokens, q_size}), o_proj);
   x = add_rms_norm_(attn_out, residual, post_attention_norm, eps);
   return {linear(silu_and_mul(linear(x, gate_up_proj)), down_proj), residual};

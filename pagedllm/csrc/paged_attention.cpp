@@ -11,6 +11,9 @@
 //   key/value    [num_blocks, block_size, num_kv_heads, head_dim] contiguous, the query's dtype
 //                or bfloat16 under an fp32 query (kv_cache_dtype="bfloat16": half the bytes)
 //   block_tables [num_seqs, max_blocks] int64, context_lens [num_seqs] int64
+//   sliding_window > 0: each query attends to the last sliding_window tokens of its context only
+//                (positions context_len - sliding_window .. context_len - 1, as HF's
+//                sliding_window_overlay: kv_idx > q_idx - sliding_window); 0: all of them
 //   out          [num_seqs, num_heads, head_dim] contiguous, the query's dtype
 // Scores and the weighted sum are accumulated in fp32 whatever the storage dtype.
 
@@ -36,18 +39,22 @@ namespace pagedllm {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
-// Calls f(block, next, first, count) for the blocks of one KV head's cached context (base points
-// at the head's first element in block 0): block and next point at the head's first row in this
-// block and in the next one (this one again for the last), first is the block's first token,
-// count its tokens in the context.
+// Calls f(row, next, first, count) for the blocks holding tokens start .. context_len - 1 of one
+// KV head's cached context (base points at the head's first element in block 0): row points at
+// the head's row of the block's first token in that range, next at its first row in the next
+// block (this block again for the last), first is that token's index counted from start, count
+// the block's tokens in the range. Blocks wholly before start (outside a sliding window) are
+// not read.
 template <typename T, typename F>
-inline void for_each_cached_block(const T* base, const int64_t* table, int64_t context_len,
-                                  int64_t block_size, int64_t block_stride, F&& f) {
+inline void for_each_cached_block(const T* base, const int64_t* table, int64_t start, int64_t context_len,
+                                  int64_t block_size, int64_t block_stride, int64_t token_stride, F&& f) {
   const int64_t used_blocks = (context_len + block_size - 1) / block_size;
-  for (int64_t b = 0; b < used_blocks; ++b) {
+  for (int64_t b = start / block_size; b < used_blocks; ++b) {
+    const int64_t first = std::max(start, b * block_size);
     const T* block = base + table[b] * block_stride;
     const T* next = b + 1 < used_blocks ? base + table[b + 1] * block_stride : block;
-    f(block, next, b * block_size, std::min(block_size, context_len - b * block_size));
+    f(block + (first - b * block_size) * token_stride, next, first - start,
+      std::min((b + 1) * block_size, context_len) - first);
   }
 }
 
@@ -78,10 +85,11 @@ constexpr int kMaxGroup = 4;
 
 // Attention of kGroup query heads (consecutive, sharing one KV head) over one sequence.
 // q: first head's query, q_head_stride apart; k/v_base point at the KV head's first element
-// of block 0 of the cache (element type C); scores: scratch of kGroup * context_len floats.
+// of block 0 of the cache (element type C); tokens start .. context_len - 1 are attended to;
+// scores: scratch of kGroup * (context_len - start) floats.
 template <typename T, typename C, int kHeadDim, int kGroup>
 void attend_group_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* v_base,
-                         const int64_t* table, int64_t context_len, int64_t block_size,
+                         const int64_t* table, int64_t start, int64_t context_len, int64_t block_size,
                          int64_t block_stride, int64_t token_stride, float scale, float* scores,
                          T* out) {
   constexpr int kChunks = kHeadDim / 16;
@@ -92,7 +100,8 @@ void attend_group_avx512(const T* q, int64_t q_head_stride, const C* k_base, con
     }
   }
   constexpr int64_t kRowBytes = kHeadDim * sizeof(C);
-  for_each_cached_block(k_base, table, context_len, block_size, block_stride,
+  const int64_t n = context_len - start;
+  for_each_cached_block(k_base, table, start, context_len, block_size, block_stride, token_stride,
                         [&](const C* block, const C* next, int64_t first, int64_t count) {
     for (int64_t slot = 0; slot < count; ++slot) {
       prefetch_row(next + slot * token_stride, kRowBytes);
@@ -102,28 +111,28 @@ void attend_group_avx512(const T* q, int64_t q_head_stride, const C* k_base, con
       for (int g = 0; g < kGroup; ++g) {
         __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
         for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-        scores[g * context_len + first + slot] = _mm512_reduce_add_ps(acc);
+        scores[g * n + first + slot] = _mm512_reduce_add_ps(acc);
       }
     }
   });
   float inv_sum[kGroup];
   for (int g = 0; g < kGroup; ++g) {
-    float* s = scores + g * context_len;
+    float* s = scores + g * n;
     __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t t = 0;
-    for (; t + 16 <= context_len; t += 16) maxv = _mm512_max_ps(maxv, _mm512_loadu_ps(s + t));
+    for (; t + 16 <= n; t += 16) maxv = _mm512_max_ps(maxv, _mm512_loadu_ps(s + t));
     float max_score = _mm512_reduce_max_ps(maxv);
-    for (; t < context_len; ++t) max_score = std::max(max_score, s[t]);
+    for (; t < n; ++t) max_score = std::max(max_score, s[t]);
     const __m512 m = _mm512_set1_ps(max_score);
     __m512 sum = _mm512_setzero_ps();
     t = 0;
-    for (; t + 16 <= context_len; t += 16) {
+    for (; t + 16 <= n; t += 16) {
       const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
       _mm512_storeu_ps(s + t, e);
       sum = _mm512_add_ps(sum, e);
     }
-    if (t < context_len) {
-      const __mmask16 tail = static_cast<__mmask16>((1u << (context_len - t)) - 1);
+    if (t < n) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
       const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m));
       _mm512_mask_storeu_ps(s + t, tail, e);
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
@@ -134,7 +143,7 @@ void attend_group_avx512(const T* q, int64_t q_head_stride, const C* k_base, con
   // [g][c] in place, GCC kept them in memory and stored all of them after every row (2x slower).
   __m512 acc[kGroup * kChunks];
   for (int i = 0; i < kGroup * kChunks; ++i) acc[i] = _mm512_setzero_ps();
-  for_each_cached_block(v_base, table, context_len, block_size, block_stride,
+  for_each_cached_block(v_base, table, start, context_len, block_size, block_stride, token_stride,
                         [&](const C* block, const C* next, int64_t first, int64_t count) {
     __m512 a[kGroup * kChunks];
     for (int i = 0; i < kGroup * kChunks; ++i) a[i] = acc[i];
@@ -144,7 +153,7 @@ void attend_group_avx512(const T* q, int64_t q_head_stride, const C* k_base, con
       __m512 vv[kChunks];
       for (int c = 0; c < kChunks; ++c) vv[c] = load16(v + 16 * c);
       for (int g = 0; g < kGroup; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * context_len + first + slot]);
+        const __m512 p = _mm512_set1_ps(scores[g * n + first + slot]);
         for (int c = 0; c < kChunks; ++c) a[g * kChunks + c] = _mm512_fmadd_ps(p, vv[c], a[g * kChunks + c]);
       }
     }
@@ -167,7 +176,7 @@ void attend_group_avx512(const T* q, int64_t q_head_stride, const C* k_base, con
 template <typename T, typename C, int kHeadDim>
 void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                       const at::Tensor& value_cache, const at::Tensor& block_tables,
-                      const at::Tensor& context_lens, float scale) {
+                      const at::Tensor& context_lens, float scale, int64_t sliding_window) {
   const int64_t num_seqs = query.size(0);
   const int64_t num_heads = query.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
@@ -200,14 +209,16 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
                         "context_lens[", seq, "] = ", context_len, " must be in [1, ",
                         max_blocks * block_size, "] (max_blocks x block_size)");
       const int64_t* table = tables + seq * max_blocks;
+      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, context_len - sliding_window) : 0;
+      const int64_t n = context_len - start;
       const int64_t used_blocks = (context_len + block_size - 1) / block_size;
-      for (int64_t b = 0; b < used_blocks; ++b) {
+      for (int64_t b = start / block_size; b < used_blocks; ++b) {
         TORCH_CHECK_VALUE(table[b] >= 0 && table[b] < num_blocks, "block_tables[", seq, ", ", b,
                           "] = ", table[b], " is outside [0, ", num_blocks, ")");
       }
 #if defined(__AVX512F__)
       if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
-        scores.resize(std::min<int64_t>(group, kMaxGroup) * context_len);
+        scores.resize(std::min<int64_t>(group, kMaxGroup) * n);
         for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
           const int64_t head = kv_head * group + g0;
           const T* q = q_base + seq * q_seq_stride + head * q_head_stride;
@@ -216,7 +227,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
           const C* v = v_base + kv_head * head_dim;
           auto attend = [&](auto group_size) {
             attend_group_avx512<T, C, kHeadDim, decltype(group_size)::value>(
-                q, q_head_stride, k, v, table, context_len, block_size, block_stride, token_stride,
+                q, q_head_stride, k, v, table, start, context_len, block_size, block_stride, token_stride,
                 scale, scores.data(), o);
           };
           switch (std::min<int64_t>(kMaxGroup, group - g0)) {
@@ -229,7 +240,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         continue;
       }
 #endif
-      scores.resize(context_len);
+      scores.resize(n);
       // One query head at a time: its K/V rows were just read for the previous head of the
       // group and come from cache, while q and the accumulator live in registers.
       for (int64_t g = 0; g < group; ++g) {
@@ -240,7 +251,8 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
 
         const int64_t row_bytes = head_dim * sizeof(C);
         float max_score = -std::numeric_limits<float>::infinity();
-        for_each_cached_block(k_base + kv_head * head_dim, table, context_len, block_size, block_stride,
+        for_each_cached_block(k_base + kv_head * head_dim, table, start, context_len, block_size, block_stride,
+                              token_stride,
                               [&](const C* block, const C* next, int64_t first, int64_t count) {
           for (int64_t slot = 0; slot < count; ++slot) {
             prefetch_row(next + slot * token_stride, row_bytes);
@@ -254,14 +266,15 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         });
         // Max-subtracted softmax, as torch's.
         float sum = 0.f;
-        for (int64_t t = 0; t < context_len; ++t) {
+        for (int64_t t = 0; t < n; ++t) {
           scores[t] = std::exp(scores[t] - max_score);
           sum += scores[t];
         }
 
         float* a = acc.data();
         for (int64_t d = 0; d < head_dim; ++d) a[d] = 0.f;
-        for_each_cached_block(v_base + kv_head * head_dim, table, context_len, block_size, block_stride,
+        for_each_cached_block(v_base + kv_head * head_dim, table, start, context_len, block_size, block_stride,
+                              token_stride,
                               [&](const C* block, const C* next, int64_t first, int64_t count) {
           for (int64_t slot = 0; slot < count; ++slot) {
             prefetch_row(next + slot * token_stride, row_bytes);
@@ -282,14 +295,16 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
 template <typename T, typename C>
 void dispatch_head_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& block_tables,
-                       const at::Tensor& context_lens, float scale) {
+                       const at::Tensor& context_lens, float scale, int64_t window) {
   switch (query.size(2)) {
     case 64:
-      return decode_attention<T, C, 64>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
+      return decode_attention<T, C, 64>(out, query, key_cache, value_cache, block_tables, context_lens, scale, window);
     case 128:
-      return decode_attention<T, C, 128>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
+      return decode_attention<T, C, 128>(out, query, key_cache, value_cache, block_tables, context_lens, scale, window);
+    case 256:  // Gemma 3
+      return decode_attention<T, C, 256>(out, query, key_cache, value_cache, block_tables, context_lens, scale, window);
     default:
-      return decode_attention<T, C, 0>(out, query, key_cache, value_cache, block_tables, context_lens, scale);
+      return decode_attention<T, C, 0>(out, query, key_cache, value_cache, block_tables, context_lens, scale, window);
   }
 }
 
@@ -297,7 +312,8 @@ void dispatch_head_dim(at::Tensor& out, const at::Tensor& query, const at::Tenso
 // checked again here.
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale, int64_t sliding_window) {
+  TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
   TORCH_CHECK_VALUE(query.dim() == 3 && query.stride(2) == 1, "query must be [seqs, heads, head_dim] with contiguous head_dim");
   TORCH_CHECK_VALUE(key_cache.is_contiguous() && value_cache.is_contiguous(), "K/V caches must be contiguous");
   TORCH_CHECK_VALUE(key_cache.sizes() == value_cache.sizes(), "K and V caches differ in shape");
@@ -317,11 +333,11 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   if (query.size(0) == 0) return out;
   const float s = static_cast<float>(scale);
   if (query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float, float>(out, query, key_cache, value_cache, block_tables, context_lens, s);
+    dispatch_head_dim<float, float>(out, query, key_cache, value_cache, block_tables, context_lens, s, sliding_window);
   } else if (query.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float, c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens, s);
+    dispatch_head_dim<float, c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens, s, sliding_window);
   } else if (query.scalar_type() == at::kBFloat16) {
-    dispatch_head_dim<c10::BFloat16, c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens, s);
+    dispatch_head_dim<c10::BFloat16, c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens, s, sliding_window);
   } else {
     TORCH_CHECK_VALUE(false, "paged_decode_attention supports float32 and bfloat16, got ", query.scalar_type());
   }
@@ -332,6 +348,6 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 
 TORCH_LIBRARY(pagedllm, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor",
+        "Tensor block_tables, Tensor context_lens, float scale, int sliding_window=0) -> Tensor",
         &pagedllm::paged_decode_attention);
 }

@@ -6,11 +6,18 @@ in the compute dtype or, with ``kv_cache_dtype="bfloat16"`` under fp32 compute, 
 token at position ``p`` of a sequence lives in slot ``p % block_size`` of physical block
 ``block_table[p // block_size]``; its flat slot index (``slot_mapping``) is
 ``block_id * block_size + p % block_size``.
+
+Sliding-window (local) attention, as Gemma 3's local layers use it: with ``sliding_window = W``
+the token at position ``p`` attends to positions ``p - W + 1 .. p`` only (HF
+``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - W``). Every block stays allocated
+(the blocks wholly before the window are only not read): freeing them, as vLLM's
+``SlidingWindowManager`` does, is left out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +72,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
                                  value_cache: torch.Tensor, block_tables: torch.Tensor,
-                                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                 context_lens: torch.Tensor, scale: float,
+                                 sliding_window: Optional[int] = None) -> torch.Tensor:
     """Decode attention by gathering K/V through the block tables with torch indexing.
 
     The reference the C++ kernel is tested against, and the fallback where it cannot be built.
@@ -80,6 +88,8 @@ def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
             must still be valid block ids (0 is used as padding).
         context_lens: ``[num_seqs]`` int64 in ``[1, max_blocks * block_size]``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        sliding_window: attend to the last ``sliding_window`` tokens of each context only
+            (None: all of them).
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in the query's dtype.
@@ -91,7 +101,10 @@ def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
     values = value_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
     keys, values = keys.to(query.dtype), values.to(query.dtype)
     positions = torch.arange(max_len)
-    mask = (positions[None, :] < context_lens[:, None]).view(num_seqs, 1, 1, max_len)
+    mask = positions[None, :] < context_lens[:, None]
+    if sliding_window is not None:
+        mask &= positions[None, :] >= context_lens[:, None] - sliding_window
+    mask = mask.view(num_seqs, 1, 1, max_len)
     out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask,
                                          scale=scale, enable_gqa=num_heads != num_kv_heads)
     return out.squeeze(2)
@@ -99,19 +112,25 @@ def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
     """Attention of one new token per sequence over its cached context, read in place.
 
     Runs the C++ kernel (``pagedllm/csrc/paged_attention.cpp``: one work item per sequence x
-    KV head, fp32 accumulation) when it is available, else ``paged_decode_attention_torch``.
-    Arguments and result as ``paged_decode_attention_torch``.
+    KV head, fp32 accumulation; a sliding window skips the blocks before it) when it is
+    available, else ``paged_decode_attention_torch``. Arguments and result as
+    ``paged_decode_attention_torch``.
+
+    Raises:
+        ValueError: ``sliding_window`` < 1.
     """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 (or None), got {sliding_window}")
     kernel = native_ops()
     if kernel is None:
         return paged_decode_attention_torch(query, key_cache, value_cache, block_tables,
-                                            context_lens, scale)
+                                            context_lens, scale, sliding_window)
     return kernel.paged_decode_attention(query, key_cache, value_cache, block_tables,
-                                         context_lens, scale)
+                                         context_lens, scale, sliding_window or 0)
 
 
 def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -128,7 +147,8 @@ def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      seq: PrefillSequence, scale: float) -> torch.Tensor:
+                      seq: PrefillSequence, scale: float,
+                      sliding_window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of a chunk of ``q_len`` tokens over its cached prefix and itself.
 
     All tensors given to SDPA are 4-D: torch dispatches 3-D inputs to its unfused math path,
@@ -144,7 +164,10 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         query: ``[q_len, num_heads, head_dim]``; key/value: ``[q_len, num_kv_heads, head_dim]``
             (the chunk's own K/V, already written to the cache).
         seq: where the chunk sits; the first ``context_len - q_len`` tokens are read from the
-            cache through ``seq.block_table``.
+            cache through ``seq.block_table`` (with a sliding window, only those some query of
+            the chunk can see).
+        sliding_window: each query sees the last ``sliding_window`` positions up to its own
+            (None: all of them).
 
     Returns:
         ``[q_len, num_heads, head_dim]``.
@@ -154,19 +177,26 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     group = num_heads // num_kv_heads
     q = query.transpose(0, 1).unsqueeze(0)
     ctx = seq.context_len
-    if ctx == q_len:
+    window = sliding_window if sliding_window is not None and sliding_window < ctx else None
+    if ctx == q_len and window is None:
         if key_cache.dtype != key.dtype:
             key, value = key.to(key_cache.dtype).to(key.dtype), value.to(key_cache.dtype).to(key.dtype)
         out = F.scaled_dot_product_attention(q, _expand_kv_heads(key, group),
                                              _expand_kv_heads(value, group), is_causal=True,
                                              scale=scale)
         return out[0].transpose(0, 1)
-    keys = key_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:ctx].to(query.dtype)
-    values = value_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:ctx].to(query.dtype)
-    # Bottom-right aligned causal mask: query i (position ctx - q_len + i) sees keys 0..that.
-    query_pos = torch.arange(ctx - q_len, ctx)
-    mask = torch.zeros(q_len, ctx, dtype=query.dtype).masked_fill_(
-        torch.arange(ctx)[None, :] > query_pos[:, None], float("-inf"))
+    # The chunk's first query (position ctx - q_len) sees keys from position ``first`` on.
+    first = 0 if window is None else max(0, ctx - q_len - window + 1)
+    keys = key_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[first:ctx].to(query.dtype)
+    values = value_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[first:ctx].to(query.dtype)
+    # Bottom-right aligned causal mask: query i (position ctx - q_len + i) sees keys up to that
+    # position, and within a window only the last ``window`` of them.
+    query_pos = torch.arange(ctx - q_len, ctx)[:, None]
+    key_pos = torch.arange(first, ctx)[None, :]
+    hidden = key_pos > query_pos
+    if window is not None:
+        hidden |= key_pos <= query_pos - window
+    mask = torch.zeros(q_len, ctx - first, dtype=query.dtype).masked_fill_(hidden, float("-inf"))
     out = F.scaled_dot_product_attention(q, _expand_kv_heads(keys, group),
                                          _expand_kv_heads(values, group), attn_mask=mask,
                                          scale=scale)
@@ -175,11 +205,14 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                    metadata: AttentionMetadata, scale: float,
+                    sliding_window: Optional[int] = None) -> torch.Tensor:
     """Write this step's K/V to the cache, then attend for every token of the flat batch.
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]``; key/value ``[num_tokens, num_kv_heads, head_dim]``.
+        sliding_window: each token attends to the last ``sliding_window`` positions up to its
+            own (None: all; see the module docstring).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]``.
@@ -188,14 +221,14 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_decode = metadata.num_decode_tokens
     if num_decode == query.shape[0] and not metadata.prefills:
         return paged_decode_attention(query, key_cache, value_cache, metadata.decode_block_tables,
-                                      metadata.decode_context_lens, scale)
+                                      metadata.decode_context_lens, scale, sliding_window)
     out = torch.empty_like(query)
     if num_decode:
         out[:num_decode] = paged_decode_attention(query[:num_decode], key_cache, value_cache,
                                                   metadata.decode_block_tables,
-                                                  metadata.decode_context_lens, scale)
+                                                  metadata.decode_context_lens, scale, sliding_window)
     for seq in metadata.prefills:
         out[seq.start:seq.end] = prefill_attention(query[seq.start:seq.end], key[seq.start:seq.end],
                                                    value[seq.start:seq.end], key_cache, value_cache,
-                                                   seq, scale)
+                                                   seq, scale, sliding_window)
     return out

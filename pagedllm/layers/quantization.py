@@ -331,7 +331,8 @@ def quantize_model(model: nn.Module, prequantized: Optional[dict[str, Int4Weight
     model.lm_head = Int8Linear.from_float(model.lm_head.weight, model.lm_head.bias, grouped=True)
     table = model.lm_head if tied else Int8Linear.from_float(embedding, None, grouped=True)
     model.embed_tokens = Int8Embedding(table, model.dtype)
-    model.fused_decode.invalidate()
+    if model.fused_decode is not None:
+        model.fused_decode.invalidate()
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -153,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
     Attributes:
         fused_decode: runs the decoder layers of a decode-only step as one C++ call
             (``layers/fused_decode.py``); ``fused_decode.enabled = False`` forces the Python layers.
+            None in a subclass whose layers have another shape (``models/gemma3.py``).
         unquantized_weight_bytes: the weights' bytes before ``quantize_model`` (None: not quantized).
     """
 
@@ -205,7 +206,8 @@ class LlamaForCausalLM(nn.Module):
             if self.embed_tokens.weight.untyped_storage().data_ptr() == head.weight_t.untyped_storage().data_ptr():
                 self.embed_tokens.weight = nn.Parameter(head.weight_t.t().contiguous(), requires_grad=False)
             linears.append(head)
-        self.fused_decode.invalidate()
+        if self.fused_decode is not None:
+            self.fused_decode.invalidate()
         return sum(linear.pack() for linear in linears)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -248,7 +250,8 @@ class LlamaForCausalLM(nn.Module):
             setattr(module, attr, nn.Parameter(value.to(dtype).contiguous(), requires_grad=False))
 
         dtype = self.dtype
-        self.fused_decode.invalidate()
+        if self.fused_decode is not None:
+            self.fused_decode.invalidate()
         put(self.embed_tokens, "weight", take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         put(self.norm, "weight", take("model.norm.weight"), "model.norm.weight")
         for i, layer in enumerate(self.layers):

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from pagedllm.layers.quantization import Int4Weight, int4_from_q4_1, int4_from_q4_k, quantize_model
+from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.registry import NAMED_MODELS, resolve_named_model
@@ -51,9 +52,15 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}
+# Hugging Face ``model_type`` -> model class. A class may refine the GGUF conversion with
+# ``gguf_layer_names`` (tensor names that differ from the table above), ``complete_hf_config``
+# (the config.json dict) and ``gguf_tensor_to_hf`` (a tensor's values), and the config with
+# ``config_from_hf`` (see models/gemma3.py).
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "gemma3_text": Gemma3ForCausalLM}
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
-_HF_ARCHITECTURE_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# GGUF ``general.architecture`` -> Hugging Face ``model_type``.
+_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
+_HF_ARCHITECTURE_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp permutes Q/K rows for these architectures only (its "normal" RoPE); qwen2 uses the
 # NEOX ("rotate half") layout that Hugging Face uses, so its rows are stored as they are.
 _ROPE_PERMUTED_ARCHITECTURES = ("llama",)
@@ -242,8 +249,9 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int
 
     reader = gguf.GGUFReader(str(path))
     arch = _gguf_field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+    if arch not in _GGUF_MODEL_TYPES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {tuple(_GGUF_MODEL_TYPES)})")
+    model_class = MODEL_CLASSES[_GGUF_MODEL_TYPES[arch]]
     num_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
     num_kv_heads = int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads))
     hidden_size = int(_gguf_field(reader, f"{arch}.embedding_length"))
@@ -255,7 +263,7 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     raw_config = {
         "architectures": [_HF_ARCHITECTURE_NAMES[arch]],
-        "model_type": arch,
+        "model_type": _GGUF_MODEL_TYPES[arch],
         "vocab_size": int(vocab),
         "hidden_size": hidden_size,
         "intermediate_size": int(_gguf_field(reader, f"{arch}.feed_forward_length")),
@@ -272,14 +280,20 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int
         "eos_token_id": None if eos is None else int(eos),
         "torch_dtype": "float32",
     }
+    if hasattr(model_class, "complete_hf_config"):
+        model_class.complete_hf_config(raw_config, lambda key, default: _gguf_field(reader, f"{arch}.{key}", default))
+    layer_names = {**_GGUF_LAYER_NAMES, **getattr(model_class, "gguf_layer_names", {})}
+    to_hf = getattr(model_class, "gguf_tensor_to_hf", None)
     int4_readers = {gguf.GGMLQuantizationType.Q4_1: int4_from_q4_1, gguf.GGMLQuantizationType.Q4_K: int4_from_q4_k}
     state_dict, int4_weights = {}, {}
     for tensor in reader.tensors:
-        name = _gguf_to_hf_name(tensor.name)
+        name = _gguf_to_hf_name(tensor.name, layer_names)
         if name is None:
             continue
         shape = tuple(reversed([int(d) for d in tensor.shape]))
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        if to_hf is not None:
+            array = to_hf(name, array)
         int4 = int4_readers[tensor.tensor_type](tensor.data, shape) \
             if tensor.tensor_type in int4_readers and len(shape) == 2 else None
         heads = None
@@ -309,13 +323,13 @@ def _pack_int4(weights: dict[str, Int4Weight]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _gguf_to_hf_name(name: str) -> Optional[str]:
+def _gguf_to_hf_name(name: str, layer_names: dict[str, str]) -> Optional[str]:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     if name.startswith("blk."):
         _, layer, rest = name.split(".", 2)
-        if rest in _GGUF_LAYER_NAMES:
-            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+        if rest in layer_names:
+            return f"model.layers.{layer}.{layer_names[rest]}"
     return None
 
 
@@ -348,7 +362,7 @@ def _load_hf_folder(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     num_heads = raw["num_attention_heads"]
     rope_theta = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     eos = raw.get("eos_token_id")
-    config = LlamaConfig(
+    common = dict(
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
         intermediate_size=raw["intermediate_size"],
@@ -365,4 +379,6 @@ def _load_hf_folder(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
     )
+    config_from_hf = getattr(MODEL_CLASSES[model_type], "config_from_hf", None)
+    config = LlamaConfig(**common) if config_from_hf is None else config_from_hf(raw, common)
     return config, {k: v.float() for k, v in state_dict.items()}
