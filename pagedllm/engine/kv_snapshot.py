@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.core.kv_cache_manager import KVCacheManager, SharingEvent
@@ -151,7 +151,7 @@ class KVCacheSnapshot:
 
     def to_dict(self) -> dict:
         """The JSON form served at ``/debug/kv`` (documented in the README)."""
-        counters = asdict(self.counters)
+        counters = dict(vars(self.counters))  # not asdict(): it deep-copies every table entry
         counters.update(kv_cache_usage=self.counters.kv_cache_usage,
                         prefix_cache_hit_rate=self.counters.prefix_cache_hit_rate)
         return {
@@ -161,7 +161,7 @@ class KVCacheSnapshot:
             "num_blocks": len(self.block_state),
             "block_states": list(BLOCK_STATES),
             "blocks": {"state": self.block_state, "ref_count": self.ref_count, "owner": self.owner},
-            "requests": [asdict(request) for request in self.requests],
+            "requests": [dict(vars(request)) for request in self.requests],
             "counters": counters,
             "events": [_event_dict(event) for event in self.events],
         }
