@@ -144,10 +144,9 @@ def test_every_snapshot_is_consistent_in_a_pool_that_preempts():
         snapshot = engine.make_kv_snapshot()
         check_consistent(snapshot)
         seen.append([(r.request_id, r.status, len(r.block_table), r.num_preemptions) for r in snapshot.requests])
-    assert seen[6] == [("a", "running", 4, 0), ("b", "preempted", 0, 1)]
-    assert engine.make_kv_snapshot().counters.num_preempted == 0  # nothing changed: b runs again
-    assert seen[10] == [("b", "running", 3, 1)]
-    assert seen[9] == [("b", "preempted", 0, 1)]
+    assert seen[6] == [("a", "running", 4, 0), ("b", "preempted", 0, 1)]  # a needed b's blocks
+    assert seen[9] == [("b", "preempted", 0, 1)]  # a finished
+    assert seen[10] == [("b", "running", 3, 1)]  # b recomputed its 11 tokens
     counters = engine.make_kv_snapshot().counters
     assert (counters.num_preemptions, counters.num_waiting, counters.num_running) == (1, 0, 1)
 
@@ -232,3 +231,27 @@ def test_disable_dashboard_removes_the_routes(chat_engine_args):
     finally:
         async_engine.shutdown()
     assert async_engine.kv_snapshot is None
+
+
+def test_a_dead_engine_ends_the_stream_and_debug_kv_is_503():
+    engine = make_tiny_engine()
+    step = engine.step
+    calls = []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return step()
+    engine.step = failing_step
+    with InThreadServer(engine) as server:
+        with httpx.stream("GET", server.url + "/debug/kv/stream", timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(lines) == "id: 1"
+            httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 50}, timeout=30)
+            for _ in lines:  # ends when the loop dies (after at most a few newer versions)
+                pass
+        assert not server.engine.is_healthy
+        dead = httpx.get(server.url + "/debug/kv")
+        assert dead.status_code == 503 and "injected fault" in dead.json()["error"]["message"]
+        assert httpx.get(server.url + "/debug/kv/stream").status_code == 503

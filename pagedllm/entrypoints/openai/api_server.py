@@ -43,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.config import EngineArgs
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest)
@@ -289,8 +289,11 @@ def _add_dashboard_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
         snapshots = engine.subscribe_kv()
 
         async def events():
-            async for snapshot in snapshots:
-                yield f"id: {snapshot.version}\ndata: {snapshot.json}\n\n"
+            try:
+                async for snapshot in snapshots:
+                    yield f"id: {snapshot.version}\ndata: {snapshot.json}\n\n"
+            except EngineDeadError:
+                return  # end the stream; a reconnecting page then gets the 503
 
         # Closing the generator ends the subscription even when the client left between
         # two events (Starlette then never resumes it).
