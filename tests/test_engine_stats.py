@@ -5,6 +5,7 @@ steps in a pool that preempts, and a server whose event loop reads nothing of th
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 
@@ -125,6 +126,13 @@ def test_server_routes_read_nothing_of_the_engine_outside_its_thread(monkeypatch
         assert too_long.status_code == 400 and "max_model_len" in too_long.json()["error"]["message"]
         wait_for_metrics(url, idle)
         assert httpx.get(url + "/metrics").status_code == 200
+        # The live block-pool view: snapshots taken by the engine thread, never the engine read here.
+        assert httpx.get(url + "/dashboard").status_code == 200
+        kv = httpx.get(url + "/debug/kv", timeout=30).json()
+        assert kv["counters"]["num_used_blocks"] == 0 and kv["counters"]["prefix_cache_queries"] > 0
+        with httpx.stream("GET", url + "/debug/kv/stream", timeout=30) as stream:
+            data = next(line for line in stream.iter_lines() if line.startswith("data: "))
+            assert json.loads(data.removeprefix("data: "))["version"] == kv["version"]
         # Readers on this thread see the published snapshots, not the engine.
         stats = server.engine.stats
         assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_used_blocks) == (0, 0, 0)

@@ -213,6 +213,13 @@ class BlockPool:
         block.cache_id = None
         block.parent_cache_id = None
 
+    # ----------------------------------------------------------------------------- observers
+    def block_states(self) -> tuple[list[int], list[bool]]:
+        """Per block, in block-id order: its ref count, and whether it is in the prefix cache
+        (hit-able). Read-only; O(num_blocks), for snapshots taken on the engine thread."""
+        blocks = self.blocks
+        return [block.ref_count for block in blocks], [block.cache_id is not None for block in blocks]
+
     # ----------------------------------------------------------------------------- checks
     def get_stats(self) -> BlockPoolStats:
         """Count the blocks by state; O(num_blocks)."""

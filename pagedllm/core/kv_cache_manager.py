@@ -5,8 +5,10 @@ plus the paper's sharing mechanism that vLLM v1 dropped: forking a sequence and 
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 from pagedllm.core.block_pool import BlockHash, BlockHashFn, BlockPool, BlockPoolStats, KVCacheBlock
 from pagedllm.core.request import Request
@@ -38,6 +40,32 @@ class KVCacheStats(BlockPoolStats):
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+class SharingEvent(NamedTuple):
+    """A fork or a copy-on-write, as the manager performed it (kept for observers).
+
+    Attributes:
+        serial: 0 for the manager's first event, then +1 per event.
+        kind: ``"fork"`` (``request_id`` took ``parent_id``'s whole table, ``num_blocks``
+            blocks, ref count + 1 each) or ``"copy"`` (``request_id`` was about to write into
+            its logical block ``logical_index``, physical ``src_block_id``, which others also
+            held: it got the private copy ``dst_block_id``).
+        request_id: the child of a fork, the writer of a copy.
+        parent_id: the parent of a fork (None for a copy).
+        num_blocks: blocks shared by a fork (1 for a copy).
+        logical_index: the copied block's index in the writer's table (None for a fork).
+        src_block_id / dst_block_id: the copy's physical blocks (None for a fork).
+    """
+
+    serial: int
+    kind: str
+    request_id: Any
+    parent_id: Any = None
+    num_blocks: int = 1
+    logical_index: Optional[int] = None
+    src_block_id: Optional[int] = None
+    dst_block_id: Optional[int] = None
+
+
 class KVCacheManager:
     """Maps each request to the physical blocks that hold its tokens (its block table).
 
@@ -60,10 +88,11 @@ class KVCacheManager:
         enable_caching: offer and reuse full blocks through the prefix cache.
         hash_fn: maps ``(parent_value, token_ids, extra_keys)`` to an int; Python's ``hash``
             by default. Hits are verified, so a weak function only costs hit rate.
+        max_recent_events: how many of the latest ``SharingEvent``s ``recent_events`` keeps.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_fn: BlockHashFn = hash) -> None:
+                 hash_fn: BlockHashFn = hash, max_recent_events: int = 64) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = hash_fn
@@ -72,8 +101,13 @@ class KVCacheManager:
         self._requests: dict[str, Request] = {}
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self._num_hit_blocks: dict[str, int] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self.num_copies = 0
+        self.num_forks = 0
+        # Bounded, so a long-running server keeps only what a live view can show.
+        self.recent_events: deque[SharingEvent] = deque(maxlen=max_recent_events)
+        self._event_serials = itertools.count()
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -200,10 +234,14 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         if new_computed_blocks:
             self._num_cached_blocks[request_id] = len(new_computed_blocks)
+            self._num_hit_blocks[request_id] = len(new_computed_blocks)
         for index in shared:
             (copy,) = self.block_pool.allocate(1)
             self._pending_copies.append((blocks[index].block_id, copy.block_id))
             self.num_copies += 1
+            self.recent_events.append(SharingEvent(next(self._event_serials), "copy", request_id,
+                                                   logical_index=index, src_block_id=blocks[index].block_id,
+                                                   dst_block_id=copy.block_id))
             self.block_pool.free([blocks[index]])
             blocks[index] = copy
         blocks.extend(self.block_pool.allocate(num_new_blocks))
@@ -224,6 +262,11 @@ class KVCacheManager:
         self._block_hashes[child.request_id] = self.block_hashes(parent, num_shared_full)
         self._num_cached_blocks[child.request_id] = min(
             self._num_cached_blocks.get(parent.request_id, 0), num_shared_full)
+        # The parent's hit blocks are in the child's table too (never copied: they are full).
+        self._num_hit_blocks[child.request_id] = self._num_hit_blocks.get(parent.request_id, 0)
+        self.num_forks += 1
+        self.recent_events.append(SharingEvent(next(self._event_serials), "fork", child.request_id,
+                                               parent_id=parent.request_id, num_blocks=len(blocks)))
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The ``(src_block_id, dst_block_id)`` copies the model runner must apply before the
@@ -238,6 +281,7 @@ class KVCacheManager:
         self._requests.pop(request_id, None)
         self._block_hashes.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
+        self._num_hit_blocks.pop(request_id, None)
         if not blocks:
             return
         if self._pending_copies:
@@ -249,7 +293,13 @@ class KVCacheManager:
         self.block_pool.free(list(reversed(blocks)))
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table: physical block id per logical block ([] without blocks)."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def get_num_hit_blocks(self, request_id: str) -> int:
+        """How many blocks at the head of the request's current table were prefix-cache hits
+        when it was admitted (inherited by a fork); 0 without blocks."""
+        return self._num_hit_blocks.get(request_id, 0)
 
     # ----------------------------------------------------------------------------- accounting
     def get_stats(self) -> KVCacheStats:

@@ -11,9 +11,13 @@ The role of vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``), without a sec
 
 Only the engine thread touches the ``LLMEngine``, so it needs no lock; the event loop only ever
 waits on asyncio primitives and stays free to accept connections, stream and answer /health
-while the model computes. Other threads read two immutable snapshots instead (``stats.py``):
+while the model computes. Other threads read immutable snapshots instead (``stats.py``):
 ``model_info``, taken once at construction, and ``stats``, the engine's newest
-``SchedulerStats``, which the engine thread replaces after every step and command. A stream
+``SchedulerStats``, which the engine thread replaces after every step and command. The block
+pool's picture (``kv_snapshot.py``) costs more, so it is taken only on demand: once per
+``get_kv_snapshot()`` (a command, answered between steps; the newest one again if nothing
+changed since), and, while a live view is subscribed (``subscribe_kv()``), after a step at
+most every ``kv_snapshot_interval`` seconds and once more when the engine goes idle. A stream
 keeps only the newest output (outputs are cumulative), so a slow reader costs no memory.
 
 Each submission gets its own engine id (``{request_id}@{serial}``): the user's id may be reused
@@ -42,8 +46,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import AsyncIterator, Optional, Union
 
+from pagedllm.engine.kv_snapshot import KVCacheSnapshot
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.stats import ModelInfo, SchedulerStats
 from pagedllm.metrics import EngineMetrics
@@ -160,6 +165,12 @@ class _Abort:
 
 
 @dataclass
+class _TakeKVSnapshot:
+    result: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
 class _Entry:
     """The engine thread's view of an open request."""
 
@@ -180,6 +191,10 @@ class AsyncLLMEngine:
         stats: the engine's newest ``SchedulerStats`` snapshot, readable from any thread.
             Replaced (never mutated) by the engine thread after every step and every command
             it takes, so a burst of requests is counted exactly by load shedding.
+        kv_snapshot: the newest ``KVCacheSnapshot`` the engine thread took (None before the
+            first); readable from any thread, replaced only while someone asks for them.
+        kv_snapshot_interval: seconds between two snapshots taken for subscribers while the
+            engine steps (0.2: a live view updates about five times a second).
 
     Args:
         engine: the engine; from ``start()`` on, only the engine thread may touch it.
@@ -212,6 +227,11 @@ class AsyncLLMEngine:
         self.request_timeout = request_timeout
         self.dead_error: Optional[BaseException] = None
         self.draining = False
+        self.kv_snapshot: Optional[KVCacheSnapshot] = None
+        self.kv_snapshot_interval = 0.2
+        self._kv_subscribers = 0  # written on the event loop, read by the engine thread
+        self._kv_changed = True  # engine thread: a step or command since the last snapshot
+        self._kv_taken_at = float("-inf")  # engine thread, time.monotonic()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._entries: dict[str, _Entry] = {}  # engine thread only, by engine request id
         self._active: dict[str, RequestStream] = {}  # event loop thread only, by user request id
@@ -272,6 +292,43 @@ class AsyncLLMEngine:
         if stream is not None:
             stream.abort(error)
 
+    async def get_kv_snapshot(self) -> KVCacheSnapshot:
+        """The block pool as it is now: taken by the engine thread between two steps (so this
+        waits for at most one step), or its newest snapshot if nothing changed since; it is
+        published as ``kv_snapshot`` too.
+
+        Raises:
+            EngineDeadError: the engine loop is not running.
+        """
+        if self.dead_error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine loop is not running ({self.dead_error!r})")
+        loop = asyncio.get_running_loop()
+        result = loop.create_future()
+        self._commands.put(_TakeKVSnapshot(result, loop))
+        return await result
+
+    async def subscribe_kv(self) -> AsyncIterator[KVCacheSnapshot]:
+        """Block-pool snapshots for a live view: a fresh one at once, then each newer one the
+        engine thread publishes (at most one per ``kv_snapshot_interval`` while it steps, and
+        one when it goes idle; nothing while nothing changes). While any subscriber iterates,
+        the engine thread takes them; when the last one stops, it stops.
+
+        Raises:
+            EngineDeadError: the engine loop is not running.
+        """
+        self._kv_subscribers += 1
+        try:
+            snapshot = await self.get_kv_snapshot()
+            while True:
+                yield snapshot
+                while self.kv_snapshot is None or self.kv_snapshot.version <= snapshot.version:
+                    if not self.is_healthy:
+                        raise EngineDeadError(f"the engine loop is not running ({self.dead_error!r})")
+                    await asyncio.sleep(self.kv_snapshot_interval / 2)
+                snapshot = self.kv_snapshot
+        finally:
+            self._kv_subscribers -= 1
+
     def _forget(self, stream: RequestStream) -> None:
         """``stream`` is no longer the open request of its id (a newer one may be already)."""
         if self._active.get(stream.request_id) is stream:
@@ -309,11 +366,15 @@ class AsyncLLMEngine:
         try:
             while True:
                 idle = not engine.has_unfinished_requests()
+                if idle:
+                    self._publish_kv_snapshot(due=True)  # the last picture before waiting
                 if not self._handle_commands(block=idle):
                     break
                 self._expire(time.monotonic())
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
+                    self._kv_changed = True
+                    self._publish_kv_snapshot()
                     self.stats = engine.make_stats()
                     if self.metrics is not None:
                         self.metrics.record_step(self.stats, outputs, time.monotonic())
@@ -342,12 +403,29 @@ class AsyncLLMEngine:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _TakeKVSnapshot):
+                self._publish_kv_snapshot(asked=True)
+                _call_soon(command.loop, _set_result, command.result, self.kv_snapshot)
             else:
                 self._abort(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _publish_kv_snapshot(self, asked: bool = False, due: bool = False) -> None:
+        """Take a block-pool snapshot into ``kv_snapshot`` when the engine changed since the
+        last one (a step or a command) and someone wants it: ``asked`` (``get_kv_snapshot``),
+        or a subscriber when ``due`` or ``kv_snapshot_interval`` has passed. Otherwise the
+        newest one still holds, so equal versions always mean equal pictures."""
+        if not self._kv_changed and self.kv_snapshot is not None:
+            return
+        now = time.monotonic()
+        if not (asked or (self._kv_subscribers and (due or now - self._kv_taken_at >= self.kv_snapshot_interval))):
+            return
+        self.kv_snapshot = self.engine.make_kv_snapshot()
+        self._kv_changed = False
+        self._kv_taken_at = now
 
     def _add(self, command: _Add) -> None:
         engine = self.engine
@@ -371,11 +449,13 @@ class AsyncLLMEngine:
             if self.metrics is not None:
                 self.metrics.request_added(command.engine_request_id, command.arrival_time)
             self.stats = engine.make_stats()
+            self._kv_changed = True
         _call_soon(command.loop, _resolve, command.ack, error)
 
     def _abort(self, command: _Abort) -> None:
         self.engine.abort_request(command.engine_request_id)
         self.stats = self.engine.make_stats()
+        self._kv_changed = True
         if command.error is not None:
             entry = self._entries.pop(command.engine_request_id, None)
             if entry is not None:
@@ -420,11 +500,18 @@ class AsyncLLMEngine:
                 return
             if isinstance(command, _Add):
                 _call_soon(command.loop, _resolve, command.ack, error)
+            elif isinstance(command, _TakeKVSnapshot):
+                _call_soon(command.loop, _resolve, command.result, error)
 
 
 def _put_all(items: list[tuple[RequestStream, _Item]]) -> None:
     for stream, output in items:
         stream.put(output)
+
+
+def _set_result(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _resolve(future: asyncio.Future, error: Optional[BaseException]) -> None:

@@ -24,6 +24,7 @@ from pagedllm.models.loader import (build_model, load_checkpoint, load_prequanti
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.kv_snapshot import KVCacheSnapshot, make_kv_snapshot
 from pagedllm.engine.stats import IterationStats, ModelInfo, SchedulerStats
 from pagedllm.outputs import RequestOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
@@ -133,6 +134,7 @@ class LLMEngine:
         # once per sequence, not again after a preemption.
         self._scheduled_once: set = set()
         self._iteration = IterationStats()
+        self._kv_snapshot_version = 0
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -377,6 +379,15 @@ class LLMEngine:
                               prefix_cache_queries=manager.prefix_cache_queries,
                               prefix_cache_hits=manager.prefix_cache_hits,
                               iteration=self._iteration)
+
+    def make_kv_snapshot(self) -> KVCacheSnapshot:
+        """A picture of the block pool: every block's state and owner, every queued
+        sequence's block table, counters and the latest forks / copy-on-writes (see
+        ``KVCacheSnapshot``). O(num_blocks + block-table entries): take it when someone looks,
+        not after every step. Each call gets the next ``version``."""
+        self._kv_snapshot_version += 1
+        return make_kv_snapshot(self._kv_snapshot_version, self._iteration.step, self.scheduler,
+                                self.kv_cache_manager, self.max_model_len)
 
     def get_model_info(self) -> ModelInfo:
         """The facts about the model and engine that do not change while it runs."""

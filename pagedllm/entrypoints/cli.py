@@ -102,6 +102,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="abort requests running longer than this many seconds (default: never)")
     group.add_argument("--drain-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds open requests may still run (default 30)")
+    group.add_argument("--disable-dashboard", action="store_true",
+                       help="do not serve the live KV block-pool view (/dashboard, /debug/kv, /debug/kv/stream)")
     # Tests serve engines over tiny random models: module:function(EngineArgs) -> LLMEngine.
     group.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
 

@@ -1,9 +1,13 @@
 """The OpenAI-compatible HTTP server: routes, API key, errors, SIGTERM drain (``pagedllm serve``).
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``. With an API key, every ``/v1``
-path and ``/tokenize``/``/detokenize`` need ``Authorization: Bearer <key>`` (as vLLM);
-``/health``, ``/version`` and ``/metrics`` stay open for probes and scrapers.
+``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``, and the live block-pool view
+(``/debug/kv``, ``/debug/kv/stream``, ``/dashboard``; off with ``--disable-dashboard``). With an
+API key, every ``/v1`` and ``/debug`` path and ``/tokenize``/``/detokenize`` need
+``Authorization: Bearer <key>`` (as vLLM); ``/health``, ``/version`` and ``/metrics`` stay open
+for probes and scrapers, and so does ``/dashboard``: a static page with no data in it, which
+sends the key (typed in, or given as ``#key=...``, which browsers never send) on its reads of
+``/debug/kv/stream``.
 
 Every error is OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``, including
 FastAPI's and Starlette's own (404 path, 405 method, a body that is not JSON): never
@@ -33,25 +37,26 @@ from typing import Optional, Sequence
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.config import EngineArgs
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, to_openai_error
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, SSEResponse, to_openai_error
 from pagedllm.metrics import EngineMetrics
 from pagedllm.models.loader import DEFAULT_MODEL_FILE
 
 logger = logging.getLogger(__name__)
 
-_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/debug")
+_DASHBOARD_HTML = Path(__file__).with_name("dashboard.html")
 
 # vLLM's error type names; other statuses get their phrase ("Payload Too Large" -> PayloadTooLargeError)
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
@@ -147,7 +152,7 @@ class _APIKeyMiddleware:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key: Optional[str] = None,
-              model_root: Optional[str] = None) -> FastAPI:
+              model_root: Optional[str] = None, enable_dashboard: bool = True) -> FastAPI:
     """The FastAPI application over a started ``AsyncLLMEngine``.
 
     Args:
@@ -155,6 +160,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key
         served_model_names: names clients may put in ``model``; the first is reported.
         api_key: required bearer token for the API paths (None: open).
         model_root: what /v1/models reports as ``root`` (default: the first name).
+        enable_dashboard: serve ``/debug/kv``, ``/debug/kv/stream`` and ``/dashboard``
+            (False: those paths are 404 and the engine never takes a block-pool snapshot).
 
     Raises:
         ValueError: no served model name.
@@ -256,7 +263,45 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key
                               param="tokens")
         return {"prompt": tokenizer.decode(request.tokens)}
 
+    if enable_dashboard:
+        _add_dashboard_routes(app, engine)
     return app
+
+
+def _add_dashboard_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
+    """The live block-pool view: ``KVCacheSnapshot``s taken on the engine thread, as JSON
+    (``/debug/kv``), as a server-sent event per new snapshot (``/debug/kv/stream``, a few per
+    second while the engine steps) and drawn by a page (``/dashboard``)."""
+    page = _DASHBOARD_HTML.read_text(encoding="utf-8")
+
+    @app.get("/debug/kv")
+    async def debug_kv() -> Response:
+        try:
+            snapshot = await engine.get_kv_snapshot()
+        except Exception as exc:
+            raise to_openai_error(exc) from None
+        return Response(snapshot.json, media_type="application/json")
+
+    @app.get("/debug/kv/stream", include_in_schema=False)  # endless: not for schema fuzzers
+    async def debug_kv_stream() -> Response:
+        if not engine.is_healthy:
+            raise OpenAIError(503, f"the engine loop is dead: {engine.dead_error!r}", "ServiceUnavailableError")
+        snapshots = engine.subscribe_kv()
+
+        async def events():
+            try:
+                async for snapshot in snapshots:
+                    yield f"id: {snapshot.version}\ndata: {snapshot.json}\n\n"
+            except EngineDeadError:
+                return  # end the stream; a reconnecting page then gets the 503
+
+        # Closing the generator ends the subscription even when the client left between
+        # two events (Starlette then never resumes it).
+        return SSEResponse(events(), on_close=lambda: asyncio.ensure_future(snapshots.aclose()))
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
 
 class DrainingServer(uvicorn.Server):
@@ -334,7 +379,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
                             engine_args.max_num_batched_tokens)
     async_engine = AsyncLLMEngine(engine, metrics, args.max_waiting_requests, args.request_timeout)
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-    app = build_app(async_engine, names, api_key, model_root=str(args.model or DEFAULT_MODEL_FILE))
+    app = build_app(async_engine, names, api_key, model_root=str(args.model or DEFAULT_MODEL_FILE),
+                    enable_dashboard=not args.disable_dashboard)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             access_log=False, timeout_graceful_shutdown=5)
     server = DrainingServer(config, async_engine, args.drain_timeout)
