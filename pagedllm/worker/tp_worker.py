@@ -109,11 +109,15 @@ class TensorParallelWorkers:
 
     Raises:
         TensorParallelError: a worker did not join within ``data_timeout_s``.
-        ValueError: bad ``tp_cores`` or too few CPUs.
+        ValueError: bad ``tp_cores``, too few CPUs, or another tensor-parallel engine alive in
+            this process (the groups are per process, as in vLLM).
     """
 
     def __init__(self, args: EngineArgs, checkpoint: Optional[tuple] = None) -> None:
         self.tp_size = args.tensor_parallel_size
+        if parallel_state.is_initialized():
+            raise ValueError("one tensor-parallel engine per process: shut the other one down first "
+                             "(LLMEngine.shutdown)")
         cpus = rank_cpus(self.tp_size, args.tp_cores)
         port = _free_port()
         context = multiprocessing.get_context("spawn")
@@ -129,7 +133,9 @@ class TensorParallelWorkers:
         try:
             parallel_state.init_distributed_environment(0, self.tp_size, port)
         except Exception as exc:
-            raise self.failure(exc) from exc
+            error = self.failure(exc)
+            self.shutdown()
+            raise error from exc
 
     def wait_loaded(self) -> int:
         """Wait until every worker built its shard; returns their resident bytes together.
