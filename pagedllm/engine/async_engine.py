@@ -298,10 +298,13 @@ class AsyncLLMEngine:
         return len(remaining)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread (unfinished requests are aborted first)."""
+        """Stop the engine thread (unfinished requests are aborted first), then the engine's
+        tensor-parallel workers."""
         if self._thread.is_alive():
             self._commands.put(_STOP)
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.shutdown()
 
     # ----------------------------------------------------------------------------- engine thread
     def _run(self) -> None:

@@ -16,6 +16,7 @@ forwards rank 0 computes, in the same order, so their all-reduces pair up.
 
 from __future__ import annotations
 
+import atexit
 import glob
 import logging
 import multiprocessing
@@ -126,6 +127,9 @@ class TensorParallelWorkers:
                           for rank in range(1, self.tp_size)]
         for process in self.processes:
             process.start()
+        # Before multiprocessing's own exit handler kills the daemon workers: leave the gloo
+        # groups cleanly (a group still open at exit aborts the interpreter).
+        atexit.register(self.shutdown)
         self._saved_placement = (os.sched_getaffinity(0), torch.get_num_threads())
         pin_threads(cpus[0])
         logger.info("tensor parallel: %d ranks on CPUs %s (rank 0 is this process, pid %d; workers %s)",
@@ -190,6 +194,7 @@ class TensorParallelWorkers:
                 process.kill()
                 process.join()
         self.processes = []
+        atexit.unregister(self.shutdown)
         parallel_state.destroy_distributed_environment()
         affinity, num_threads = self._saved_placement
         os.sched_setaffinity(0, affinity)
