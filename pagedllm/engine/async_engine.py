@@ -298,16 +298,20 @@ class AsyncLLMEngine:
         return len(remaining)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread (unfinished requests are aborted first), then the engine's
-        tensor-parallel workers."""
+        """Stop the engine thread (unfinished requests are aborted first); its last act is
+        ``LLMEngine.shutdown`` (the tensor-parallel workers)."""
         if self._thread.is_alive():
             self._commands.put(_STOP)
             self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self.engine.shutdown()
 
     # ----------------------------------------------------------------------------- engine thread
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.engine.shutdown()
+
+    def _serve(self) -> None:
         engine = self.engine
         try:
             while True:
