@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -101,10 +102,15 @@ def test_killing_a_rank_ends_the_engine_with_an_error_within_seconds():
     engine = tp2_engine()
     engine.add_request("r", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=80, **GREEDY))
     engine.step()
+    watchdog_fired = threading.Event()
+    engine.on_worker_failure(watchdog_fired.set)  # an idle owner hears of it without stepping
     (worker,) = engine._tp_workers.processes
     os.kill(worker.pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited killed by SIGKILL"):
+    assert watchdog_fired.wait(5)
+    with pytest.raises(TensorParallelError, match="killed by SIGKILL"):
+        engine.check_health()
+    with pytest.raises(TensorParallelError, match=r"^tensor-parallel rank 1 \(pid \d+\) exited killed by SIGKILL"):
         for _ in range(100):
             engine.step()
     assert time.monotonic() - start < 5

@@ -169,6 +169,9 @@ class _Entry:
 
 
 _STOP = object()
+# Queued by the engine's worker watchdog (another thread): the engine thread runs check_health,
+# whose error ends the loop as a failed step would.
+_CHECK_HEALTH = object()
 
 
 class AsyncLLMEngine:
@@ -217,6 +220,7 @@ class AsyncLLMEngine:
         self._active: dict[str, RequestStream] = {}  # event loop thread only, by user request id
         self._serials = itertools.count()
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        engine.on_worker_failure(lambda: self._commands.put(_CHECK_HEALTH))
 
     # ----------------------------------------------------------------------------- event loop side
     def start(self) -> None:
@@ -347,7 +351,9 @@ class AsyncLLMEngine:
         while True:
             if command is _STOP:
                 return False
-            if isinstance(command, _Add):
+            if command is _CHECK_HEALTH:
+                self.engine.check_health()
+            elif isinstance(command, _Add):
                 self._add(command)
             else:
                 self._abort(command)

@@ -180,6 +180,26 @@ class LLMEngine:
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
         return cls(engine_args)
 
+    def check_health(self) -> None:
+        """Raises ``TensorParallelError`` when a tensor-parallel rank is gone (vLLM's
+        ``check_health``); a no-op for a single-process engine."""
+        if self._tp_error is not None:
+            raise self._tp_error
+        if self._tp_workers is not None:
+            try:
+                self._tp_workers.check_alive()
+            except TensorParallelError as exc:
+                self._tp_error = exc
+                raise
+
+    def on_worker_failure(self, callback) -> None:
+        """Have ``callback()`` called from a watchdog thread as soon as a tensor-parallel worker
+        exits unexpectedly, so that an idle owner learns of it before its next ``step()``. The
+        callback runs outside the engine's thread: it must only hand the news over (for
+        instance queue a call of ``check_health``). A no-op without workers."""
+        if self._tp_workers is not None:
+            self._tp_workers.on_failure(callback)
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op without them). Idempotent; the engine
         computes no step after it."""
@@ -359,10 +379,7 @@ class LLMEngine:
             for fork in request.pending_forks:
                 requests[fork.request_id] = fork
         try:
-            if self._tp_error is not None:
-                raise self._tp_error
-            if self._tp_workers is not None:
-                self._tp_workers.check_alive()
+            self.check_health()
             runner_output = self.model_runner.execute_model(scheduler_output.scheduled, block_tables,
                                                             scheduler_output.blocks_to_copy)
         except TensorParallelError as exc:

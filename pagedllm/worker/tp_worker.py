@@ -20,11 +20,13 @@ import atexit
 import glob
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import re
 import signal
 import socket
-from typing import Optional
+import threading
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -127,6 +129,9 @@ class TensorParallelWorkers:
                           for rank in range(1, self.tp_size)]
         for process in self.processes:
             process.start()
+        self._closing = False
+        self._failure_callbacks: list[Callable[[], None]] = []
+        threading.Thread(target=self._watchdog, name="pagedllm-tp-watchdog", daemon=True).start()
         # Before multiprocessing's own exit handler kills the daemon workers: leave the gloo
         # groups cleanly (a group still open at exit aborts the interpreter).
         atexit.register(self.shutdown)
@@ -140,6 +145,28 @@ class TensorParallelWorkers:
             error = self.failure(exc)
             self.shutdown()
             raise error from exc
+
+    def _watchdog(self) -> None:
+        """Wait for any worker to exit; unless shutting down, log it and run the callbacks."""
+        processes = list(self.processes)
+        ended = multiprocessing.connection.wait([process.sentinel for process in processes])
+        if self._closing:
+            return
+        for process in processes:
+            if process.sentinel in ended:
+                # Its pipe closes a moment before it can be reaped: wait for the exit code.
+                process.join(5.0)
+        for rank, process in enumerate(self.processes, start=1):
+            if process.exitcode is not None:
+                logger.error("tensor-parallel rank %d (pid %d) exited %s: the engine cannot compute",
+                             rank, process.pid, _describe_exit(process.exitcode))
+        for callback in self._failure_callbacks:
+            callback()
+
+    def on_failure(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` from the watchdog thread as soon as a worker exits unexpectedly
+        (it must only hand the news over, e.g. put a command on a queue)."""
+        self._failure_callbacks.append(callback)
 
     def wait_loaded(self) -> int:
         """Wait until every worker built its shard; returns their resident bytes together.
@@ -175,7 +202,7 @@ class TensorParallelWorkers:
         try:
             self.check_alive()
         except TensorParallelError as dead:
-            return TensorParallelError(f"{dead} ({exc})")
+            return dead if str(dead) in str(exc) else TensorParallelError(f"{dead} ({exc})")
         return exc if isinstance(exc, TensorParallelError) else TensorParallelError(str(exc))
 
     def shutdown(self) -> None:
@@ -183,6 +210,7 @@ class TensorParallelWorkers:
         groups and give this process its CPUs back. Idempotent."""
         if not self.processes:
             return
+        self._closing = True
         if parallel_state.is_initialized() and all(p.exitcode is None for p in self.processes):
             try:
                 broadcast_shutdown()
