@@ -33,8 +33,7 @@ _KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.f
 _QUANTIZATIONS = ("int8", "int4")
 
 # vLLM options that pagedllm accepts because they change nothing here.
-_NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "tokenizer_mode",
-                  "disable_custom_all_reduce"}
+_NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "tokenizer_mode"}
 
 
 def _option(default: Any, help: str, **cli: Any) -> Any:
@@ -85,6 +84,9 @@ class EngineArgs:
               "'0-15;16-31' (rank 0 first); each rank pins its threads there and runs as many "
               "threads as CPUs. Default: one NUMA node per rank when there are enough, else the "
               "allowed CPUs split into equal contiguous groups")
+    disable_custom_all_reduce: bool = _option(
+        False, "tensor parallelism: all-reduce through gloo (the reference) instead of pagedllm's "
+               "shared-memory all-reduce (the default on x86; elsewhere gloo is always used)")
     pipeline_parallel_size: int = _option(1, "only 1 is supported (one CPU process)")
     quantization: Optional[str] = _option(
         None, "weight-only quantization of the linear layers: int8 (per channel) or int4 (groups of "

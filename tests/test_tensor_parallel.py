@@ -17,6 +17,7 @@ import torch
 
 from pagedllm import EngineArgs, SamplingParams
 from pagedllm.config import parse_tp_cores
+from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import TensorParallelError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.layers.quantization import quantize_int4
@@ -84,7 +85,7 @@ def run(engine: LLMEngine, requests, abort_after: dict[str, int] = None) -> dict
     return {rid: [s.token_ids for s in out.outputs] for rid, out in finals.items()}
 
 
-# These two start their own engines: they run before the module's shared one starts (one
+# These start their own engines: they run before the module's shared one starts (one
 # tensor-parallel engine per process).
 def test_int4_tp2_equals_tp1():
     requests = [(str(i), prompt, SamplingParams(max_tokens=10, **GREEDY))
@@ -92,6 +93,18 @@ def test_int4_tp2_equals_tp1():
     expected = run(tp1_engine("int4"), requests)
     engine = tp2_engine("int4")
     try:
+        assert run(engine, requests) == expected
+    finally:
+        engine.shutdown()
+
+
+def test_gloo_all_reduce_the_reference_equals_tp1():
+    requests = [(str(i), prompt, SamplingParams(max_tokens=10, **GREEDY))
+                for i, prompt in enumerate(prompts(4, (6, 23)))]
+    expected = run(tp1_engine(), requests)
+    engine = tp2_engine(disable_custom_all_reduce=True)
+    try:
+        assert parallel_state._state.shm is None
         assert run(engine, requests) == expected
     finally:
         engine.shutdown()
@@ -162,6 +175,8 @@ def test_kv_pool_per_rank_is_half_the_bytes_and_ranks_are_pinned(tp2):
     assert rank0 * 2 == whole
     assert tp2.model_runner.kv_caches[0][0].shape == (24, 4, 1, 16)  # 1 of the 2 KV heads
     assert tp2.bytes_per_block == reference.bytes_per_block  # a block costs the same over all ranks
+    assert parallel_state._state.shm is not None  # the shared-memory all-reduce is the default here
+    assert not os.path.exists(tp2._tp_workers.shm_path)  # unlinked once every rank mapped it
     (worker,) = tp2._tp_workers.processes
     assert os.sched_getaffinity(0) == {0} and os.sched_getaffinity(worker.pid) == {1}
     assert torch.get_num_threads() == 1

@@ -9,6 +9,10 @@ with an error; the ``control`` group carries only the per-step header that idle 
 on, with no practical timeout, so an engine may idle for hours. A rank that dies closes its
 sockets and every peer's pending gloo call fails at once ("Connection closed by peer").
 One tensor-parallel engine per process at a time: rank 0 is the engine's own process.
+
+The all-reduce itself runs through shared memory (``shm_all_reduce.py``) when the ranks were
+started with a shared file (the default on x86), else through gloo, the reference
+(``disable_custom_all_reduce=True``, vLLM's option for the same choice).
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import datetime
 import os
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from pagedllm.distributed.shm_all_reduce import ShmAllReduce
 
 
 class TensorParallelError(RuntimeError):
@@ -52,6 +58,7 @@ class _State:
     world_size: int
     data_group: object
     control_group: object
+    shm: Optional[ShmAllReduce]
 
 
 _state: Optional[_State] = None
@@ -64,9 +71,12 @@ def data_timeout_s() -> float:
     return float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "120"))
 
 
-def init_distributed_environment(rank: int, world_size: int, port: int) -> None:
+def init_distributed_environment(rank: int, world_size: int, port: int, shm_path: Optional[str] = None,
+                                 peers_alive: Optional[Callable[[], bool]] = None) -> None:
     """Join the gloo groups of ``world_size`` ranks rendezvousing at ``127.0.0.1:port`` (rank 0
-    hosts the store). Blocks until every rank joined or ``data_timeout_s`` passed.
+    hosts the store), and map ``shm_path`` (``shm_all_reduce.create_shm_file``) for the
+    all-reduce when given (``peers_alive`` says whether the other ranks still exist). Blocks
+    until every rank joined or ``data_timeout_s`` passed.
 
     Raises:
         RuntimeError: already initialized in this process, or the rendezvous timed out.
@@ -78,13 +88,18 @@ def init_distributed_environment(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
-    _state = _State(rank, world_size, dist.group.WORLD, control)
+    shm = None
+    if shm_path is not None:
+        shm = ShmAllReduce(shm_path, rank, world_size, peers_alive or (lambda: True), data_timeout_s())
+    _state = _State(rank, world_size, dist.group.WORLD, control, shm)
 
 
 def destroy_distributed_environment() -> None:
     """Leave the groups (a no-op when none)."""
     global _state
     if _state is not None:
+        if _state.shm is not None:
+            _state.shm.close()
         _state = None
         with contextlib.suppress(Exception):  # a peer already gone makes this fail; nothing to do then
             dist.destroy_process_group()
@@ -132,8 +147,11 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     start = time.perf_counter()
     try:
-        dist.all_reduce(x, group=_state.data_group)
-    except RuntimeError as exc:
+        if _state.shm is not None:
+            _state.shm.all_reduce_(x)
+        else:
+            dist.all_reduce(x, group=_state.data_group)
+    except (RuntimeError, TimeoutError, ConnectionError) as exc:
         raise TensorParallelError(f"all-reduce failed, a tensor-parallel rank is gone or hung: {exc}") from exc
     all_reduce_stats.calls += 1
     all_reduce_stats.bytes += x.numel() * x.element_size()

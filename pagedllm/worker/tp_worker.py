@@ -17,11 +17,13 @@ forwards rank 0 computes, in the same order, so their all-reduces pair up.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import glob
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import platform
 import re
 import signal
 import socket
@@ -34,12 +36,14 @@ import torch.distributed as dist
 from pagedllm.config import EngineArgs, parse_cpu_list, parse_tp_cores
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import TensorParallelError
+from pagedllm.distributed.shm_all_reduce import create_shm_file
 from pagedllm.models.sharding import TensorParallelShard
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.step_inputs import broadcast_shutdown, receive_step
 
 logger = logging.getLogger(__name__)
 
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 # Seconds ``shutdown`` waits for a worker to leave its loop before killing it.
 _JOIN_TIMEOUT_S = 5.0
 
@@ -123,9 +127,15 @@ class TensorParallelWorkers:
                              "(LLMEngine.shutdown)")
         cpus = rank_cpus(self.tp_size, args.tp_cores)
         port = _free_port()
+        # The shared-memory all-reduce relies on x86's store order (shm_all_reduce.py).
+        self.shm_path = None
+        if not args.disable_custom_all_reduce and platform.machine() in ("x86_64", "AMD64"):
+            self.shm_path = f"{_SHM_DIR}/pagedllm-tp-{os.getpid()}-{port}"
+            create_shm_file(self.shm_path, self.tp_size)
         context = multiprocessing.get_context("spawn")
         self.processes = [context.Process(target=_worker_main, name=f"pagedllm-tp-rank{rank}", daemon=True,
-                                          args=(rank, port, args, checkpoint, cpus[rank]))
+                                          args=(rank, port, args, checkpoint, cpus[rank], self.shm_path,
+                                                os.getpid()))
                           for rank in range(1, self.tp_size)]
         for process in self.processes:
             process.start()
@@ -139,8 +149,11 @@ class TensorParallelWorkers:
         pin_threads(cpus[0])
         logger.info("tensor parallel: %d ranks on CPUs %s (rank 0 is this process, pid %d; workers %s)",
                     self.tp_size, cpus, os.getpid(), [p.pid for p in self.processes])
+        sentinels = [process.sentinel for process in self.processes]
         try:
-            parallel_state.init_distributed_environment(0, self.tp_size, port)
+            parallel_state.init_distributed_environment(
+                0, self.tp_size, port, self.shm_path,
+                lambda: not multiprocessing.connection.wait(sentinels, timeout=0))
         except Exception as exc:
             error = self.failure(exc)
             self.shutdown()
@@ -175,6 +188,7 @@ class TensorParallelWorkers:
             TensorParallelError: a worker failed (its traceback is in its stderr).
         """
         self._collective(lambda: dist.barrier(group=parallel_state.control_group()))
+        self._unlink_shm_file()  # every rank has mapped it: it goes when the last mapping does
         return sum(_rss_bytes(process.pid) for process in self.processes)
 
     def allocate_kv_caches(self, num_blocks: int) -> None:
@@ -186,6 +200,11 @@ class TensorParallelWorkers:
             call()
         except RuntimeError as exc:
             raise self.failure(exc) from exc
+
+    def _unlink_shm_file(self) -> None:
+        if self.shm_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.shm_path)
 
     def check_alive(self) -> None:
         """Raises ``TensorParallelError`` naming the first worker that exited."""
@@ -224,6 +243,7 @@ class TensorParallelWorkers:
         self.processes = []
         atexit.unregister(self.shutdown)
         parallel_state.destroy_distributed_environment()
+        self._unlink_shm_file()
         affinity, num_threads = self._saved_placement
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(num_threads)
@@ -235,14 +255,16 @@ def _describe_exit(exitcode: int) -> str:
     return f"with code {exitcode}"
 
 
-def _worker_main(rank: int, port: int, args: EngineArgs, checkpoint: Optional[tuple], cpus: list[int]) -> None:
+def _worker_main(rank: int, port: int, args: EngineArgs, checkpoint: Optional[tuple], cpus: list[int],
+                 shm_path: Optional[str], parent_pid: int) -> None:
     """A worker's life: pin, join, build the shard, allocate the KV cache, then compute every
     step rank 0 broadcasts until it says shut down. Exits with an error when rank 0 is gone."""
     from pagedllm.models.loader import build_model, load_checkpoint, load_prequantized_int4, resolve_model_path
 
     logging.basicConfig(level=logging.WARNING)
     pin_threads(cpus)
-    parallel_state.init_distributed_environment(rank, args.tensor_parallel_size, port)
+    parallel_state.init_distributed_environment(rank, args.tensor_parallel_size, port, shm_path,
+                                                lambda: os.getppid() == parent_pid)
     try:
         prequantized = None
         if checkpoint is None:
