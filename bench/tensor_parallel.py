@@ -1,6 +1,6 @@
 """Tensor parallelism against one process: throughput and single-stream decode of one engine
 configuration, with the all-reduces' count, bytes and time per step; and a gloo all-reduce
-micro-benchmark (2 processes, one CPU each) over message sizes.
+and shared-memory all-reduce micro-benchmark (2 processes, one CPU each) over message sizes.
 
     python bench/tensor_parallel.py --model qwen2.5-coder-0.5b --threads 2
     python bench/tensor_parallel.py --model qwen2.5-coder-0.5b --tensor-parallel-size 2 --tp-cores "0;1"
@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import datetime
 import multiprocessing
+import os
 import statistics
 import time
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from pagedllm import LLM, EngineArgs
 from pagedllm.benchmarks.throughput import TEXT_PATH, build_workload, run_pagedllm, single_stream_pagedllm
 from pagedllm.distributed.parallel_state import all_reduce_stats
+from pagedllm.distributed.shm_all_reduce import ShmAllReduce, create_shm_file
 
 MICRO_SIZES = (896 * 4, 16 * 896 * 4, 256 * 896 * 4, 151936 // 2 * 4, 16 * 151936 // 2 * 4)
 
@@ -67,22 +69,25 @@ def run_engine(args: argparse.Namespace, engine_args: EngineArgs) -> None:
         llm.llm_engine.shutdown()
 
 
-def _micro_rank(rank: int, port: int, repeats: int, results) -> None:
+def _micro_rank(rank: int, port: int, shm_path: str, repeats: int, results) -> None:
     import os
     os.sched_setaffinity(0, [rank])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
-    for size in MICRO_SIZES:
-        x = torch.ones(size // 4)
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - start)
-        if rank == 0:
-            results[size] = statistics.median(times)
+    shm = ShmAllReduce(shm_path, rank, 2, lambda: True, 60.0)
+    for name, all_reduce in (("gloo", dist.all_reduce), ("shm", shm.all_reduce_)):
+        for size in MICRO_SIZES:
+            x = torch.ones(size // 4)
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                all_reduce(x)
+                times.append(time.perf_counter() - start)
+            if rank == 0:
+                results[name, size] = (statistics.median(times), statistics.mean(times))
+    shm.close()
     dist.destroy_process_group()
 
 
@@ -91,16 +96,22 @@ def allreduce_micro(repeats: int = 200) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    shm_path = f"/dev/shm/pagedllm-bench-{port}"
+    create_shm_file(shm_path, 2)
     context = multiprocessing.get_context("spawn")
     results = context.Manager().dict()
-    ranks = [context.Process(target=_micro_rank, args=(rank, port, repeats, results)) for rank in range(2)]
+    ranks = [context.Process(target=_micro_rank, args=(rank, port, shm_path, repeats, results)) for rank in range(2)]
     for p in ranks:
         p.start()
     for p in ranks:
         p.join()
-    print("gloo all-reduce, 2 ranks on loopback, 1 CPU each, fp32, median of", repeats)
+    os.unlink(shm_path)
+    print(f"all-reduce of 2 ranks (1 CPU each, fp32; gloo on loopback, pagedllm's shared memory), "
+          f"{repeats} calls after a barrier each: median / mean")
     for size in MICRO_SIZES:
-        print(f"  {size / 1024:9.1f} KiB: {results[size] * 1e6:8.0f} us  ({size / results[size] / 1e9:.2f} GB/s)")
+        print(f"  {size / 1024:9.1f} KiB: " + ", ".join(
+            f"{name} {results[name, size][0] * 1e6:7.0f} / {results[name, size][1] * 1e6:7.0f} us"
+            for name in ("gloo", "shm")))
 
 
 def main() -> None:
