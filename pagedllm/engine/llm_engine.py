@@ -165,7 +165,8 @@ class LLMEngine:
                         "in the pool above" if engine_args.kv_cache_memory_bytes is None and
                         engine_args.num_gpu_blocks_override is None else "not used: the pool's size is set")
         else:
-            logger.info("weights: %.1f MiB (not quantized)", self.weight_bytes / 2**20)
+            logger.info("weights: %.1f MiB (not quantized)%s", self.weight_bytes / 2**20,
+                        " in rank 0's shard" if self._tp_workers else "")
         self.input_processor = InputProcessor(self.get_model_info())
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(tokenizer)

@@ -277,6 +277,7 @@ def _worker_main(rank: int, port: int, args: EngineArgs, checkpoint: Optional[tu
         model = build_model(config, state_dict, args.torch_dtype, args.quantization, prequantized,
                             TensorParallelShard(rank, args.tensor_parallel_size))
         del state_dict, prequantized, checkpoint
+        model.lm_head = None  # only rank 0 computes logits (a tied head's table stays: the embedding)
         dist.barrier(group=parallel_state.control_group())
         num_blocks = _broadcast_int(0)
         runner = ModelRunner(model, num_blocks, args.block_size, args.seed,
