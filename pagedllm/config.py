@@ -33,8 +33,7 @@ _KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.f
 _QUANTIZATIONS = ("int8", "int4")
 
 # vLLM options that pagedllm accepts because they change nothing here.
-_NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "tokenizer_mode",
-                  "disable_custom_all_reduce"}
+_NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "tokenizer_mode"}
 
 
 def _option(default: Any, help: str, **cli: Any) -> Any:
@@ -76,7 +75,18 @@ class EngineArgs:
         2048, "most tokens computed per step; longer prompts are prefilled in chunks")
     enable_prefix_caching: bool = _option(True, "reuse KV blocks of identical prompt prefixes")
     seed: int = _option(0, "seed of the global sampling generator")
-    tensor_parallel_size: int = _option(1, "only 1 is supported (one CPU process)")
+    tensor_parallel_size: int = _option(
+        1, "processes that each run 1/N of every layer (Megatron split: heads and MLP rows) and of "
+           "the KV cache, joined by gloo all-reduces; one per socket or core group. The model's "
+           "attention heads must divide by it; see README 'Tensor parallelism'")
+    tp_cores: Optional[str] = _option(
+        None, "the CPUs of each tensor-parallel rank, ';'-separated Linux CPU lists, e.g. "
+              "'0-15;16-31' (rank 0 first); each rank pins its threads there and runs as many "
+              "threads as CPUs. Default: one NUMA node per rank when there are enough, else the "
+              "allowed CPUs split into equal contiguous groups")
+    disable_custom_all_reduce: bool = _option(
+        False, "tensor parallelism: all-reduce through gloo (the reference) instead of pagedllm's "
+               "shared-memory all-reduce (the default on x86; elsewhere gloo is always used)")
     pipeline_parallel_size: int = _option(1, "only 1 is supported (one CPU process)")
     quantization: Optional[str] = _option(
         None, "weight-only quantization of the linear layers: int8 (per channel) or int4 (groups of "
@@ -182,10 +192,14 @@ class EngineArgs:
             self.enable_prefix_caching = True
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ValueError(f"{name}={getattr(self, name)} is not supported: pagedllm runs on one CPU "
-                                 "process (use 1)")
+        tp_size = self.tensor_parallel_size
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
+        if self.tp_cores is not None:
+            parse_tp_cores(self.tp_cores, tp_size)
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported "
+                             "(use 1; tensor_parallel_size splits a model over processes)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -205,6 +219,36 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype='float32' needs dtype float32, got "
                              f"{str(compute_dtype).replace('torch.', '')}: use kv_cache_dtype='auto' or 'bfloat16'")
         return dtype
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """A Linux CPU list (``0-3,8,10-11``, as in /sys/devices/system/node/node0/cpulist) as CPU ids.
+
+    Raises:
+        ValueError: not such a list.
+    """
+    cpus = []
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        if not first.strip().isdigit() or last and not last.strip().isdigit():
+            raise ValueError(f"not a CPU list (like '0-3,8'): {text!r}")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def parse_tp_cores(text: str, tp_size: int) -> list[list[int]]:
+    """``tp_cores`` (``'0-15;16-31'``) as one CPU id list per rank.
+
+    Raises:
+        ValueError: not ``tp_size`` non-empty CPU lists, or lists that share a CPU.
+    """
+    groups = [parse_cpu_list(part) for part in text.split(";")]
+    if len(groups) != tp_size:
+        raise ValueError(f"tp_cores gives {len(groups)} CPU lists, tensor_parallel_size is {tp_size}: "
+                         f"give one per rank, ';'-separated (got {text!r})")
+    if len({cpu for group in groups for cpu in group}) != sum(map(len, groups)):
+        raise ValueError(f"tp_cores lists a CPU for two ranks: {text!r}")
+    return groups
 
 
 def cpu_flags() -> set[str]:

@@ -98,7 +98,8 @@ def test_flags_are_parsed_into_engine_args():
 
 
 @pytest.mark.parametrize("flags,message", [(["--block-size", "0"], "block_size must be a positive integer"),
-                                           (["--tensor-parallel-size", "2"], "tensor_parallel_size=2 is not supported")])
+                                           (["--tensor-parallel-size", "2", "--tp-cores", "0-1"],
+                                            "tp_cores gives 1 CPU lists, tensor_parallel_size is 2")])
 def test_from_cli_args_checks_the_options(flags, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs.from_cli_args(build_parser().parse_args(["generate", "hello", *flags]))

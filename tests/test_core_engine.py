@@ -220,7 +220,8 @@ def test_b09_prompt_longer_than_token_budget_is_chunked():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is not supported"),
+    (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer, got 0"),
     (dict(swap_space=4), "'swap_space' is not supported"),
     (dict(dtype="int3"), "dtype must be one of"),
     (dict(max_num_seqs=0), "max_num_seqs must be a positive integer, got 0"),

@@ -180,6 +180,9 @@ class _Entry:
 
 
 _STOP = object()
+# Queued by the engine's worker watchdog (another thread): the engine thread runs check_health,
+# whose error ends the loop as a failed step would.
+_CHECK_HEALTH = object()
 
 
 class AsyncLLMEngine:
@@ -237,6 +240,7 @@ class AsyncLLMEngine:
         self._active: dict[str, RequestStream] = {}  # event loop thread only, by user request id
         self._serials = itertools.count()
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        engine.on_worker_failure(lambda: self._commands.put(_CHECK_HEALTH))
 
     # ----------------------------------------------------------------------------- event loop side
     def start(self) -> None:
@@ -355,13 +359,20 @@ class AsyncLLMEngine:
         return len(remaining)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread (unfinished requests are aborted first)."""
+        """Stop the engine thread (unfinished requests are aborted first); its last act is
+        ``LLMEngine.shutdown`` (the tensor-parallel workers)."""
         if self._thread.is_alive():
             self._commands.put(_STOP)
             self._thread.join(timeout)
 
     # ----------------------------------------------------------------------------- engine thread
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.engine.shutdown()
+
+    def _serve(self) -> None:
         engine = self.engine
         try:
             while True:
@@ -401,7 +412,9 @@ class AsyncLLMEngine:
         while True:
             if command is _STOP:
                 return False
-            if isinstance(command, _Add):
+            if command is _CHECK_HEALTH:
+                self.engine.check_health()
+            elif isinstance(command, _Add):
                 self._add(command)
             elif isinstance(command, _TakeKVSnapshot):
                 self._publish_kv_snapshot(asked=True)

@@ -21,7 +21,9 @@ from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.layers.quantization import weight_bytes
 from pagedllm.models.loader import (build_model, load_checkpoint, load_prequantized_int4, load_tokenizer,
                                     resolve_model_path)
-from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.distributed.parallel_state import TensorParallelError
+from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
+from pagedllm.models.sharding import TensorParallelShard
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.kv_snapshot import KVCacheSnapshot, make_kv_snapshot
@@ -30,6 +32,7 @@ from pagedllm.outputs import RequestOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.kv_cache_sizing import bytes_per_block, determine_num_blocks
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.tp_worker import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -52,30 +55,64 @@ class LLMEngine:
     Args:
         engine_args: the options.
         model: an already built model (tests build tiny random ones); None loads
+            ``engine_args.model``. Only with ``tensor_parallel_size=1``.
+        tokenizer: the tokenizer to use with ``model`` or ``checkpoint``; may be None when only
+            token ids are given (then ``text`` is empty).
+        checkpoint: ``(config, state_dict)`` with Hugging Face weight names to build the model
+            from (every tensor-parallel rank takes its shard of it) instead of loading
             ``engine_args.model``.
-        tokenizer: the tokenizer to use with ``model``; may be None when only token ids are
-            given (then ``text`` is empty).
+
+    With ``tensor_parallel_size > 1`` the constructor starts the other ranks
+    (``worker/tp_worker.py``) and pins this process to rank 0's CPUs; ``shutdown()`` ends them.
 
     Raises:
         ValueError: a configuration that cannot run (for instance a KV cache smaller than one
-            ``max_model_len`` request).
+            ``max_model_len`` request, or heads that do not split over the ranks).
+        TensorParallelError: a tensor-parallel rank failed to start (from ``step()``: one died;
+            the engine then computes nothing more).
     """
 
     def __init__(self, engine_args: EngineArgs, model: Optional[LlamaForCausalLM] = None,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, checkpoint: Optional[tuple[LlamaConfig, dict]] = None) -> None:
         engine_args.verify()
         self.args = engine_args
         torch.manual_seed(engine_args.seed)
+        tp_size = engine_args.tensor_parallel_size
+        self._tp_workers: Optional[TensorParallelWorkers] = None
+        self._tp_error: Optional[TensorParallelError] = None
+        if model is not None and tp_size > 1:
+            raise ValueError(f"tensor_parallel_size={tp_size} builds every rank's shard itself: give "
+                             "engine_args.model or checkpoint=(config, state_dict), not a built model")
         if model is None:
-            path = resolve_model_path(engine_args.model)
             start = time.perf_counter()
-            config, state_dict = load_checkpoint(path)
-            prequantized = load_prequantized_int4(path) if engine_args.quantization == "int4" else None
-            model = build_model(config, state_dict, engine_args.torch_dtype, engine_args.quantization,
-                                prequantized)
+            prequantized = None
+            if checkpoint is None:
+                path = resolve_model_path(engine_args.model)
+                config, state_dict = load_checkpoint(path)
+                prequantized = load_prequantized_int4(path) if engine_args.quantization == "int4" else None
+                tokenizer = load_tokenizer(path)
+            else:
+                config, state_dict = checkpoint
+            shard = TensorParallelShard(0, tp_size)
+            shard.check(config, engine_args.quantization)  # before any process starts
+            if tp_size > 1:
+                self._tp_workers = TensorParallelWorkers(engine_args, checkpoint)
+            try:
+                model = build_model(config, state_dict, engine_args.torch_dtype, engine_args.quantization,
+                                    prequantized, shard)
+            except BaseException:
+                self.shutdown()
+                raise
             del state_dict, prequantized
-            tokenizer = load_tokenizer(path)
-            logger.info("loaded %s in %.1f s", path, time.perf_counter() - start)
+            logger.info("loaded %s in %.1f s", engine_args.model if checkpoint is None else "the checkpoint",
+                        time.perf_counter() - start)
+        try:
+            self._init_after_model(engine_args, model, tokenizer)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init_after_model(self, engine_args: EngineArgs, model: LlamaForCausalLM, tokenizer: Any) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.model_config = model.config
@@ -85,7 +122,10 @@ class LLMEngine:
 
         block_size = engine_args.block_size
         self.kv_cache_dtype = engine_args.kv_cache_torch_dtype(model.dtype)
-        num_blocks = determine_num_blocks(model, engine_args, self.kv_cache_dtype)
+        other_ranks_memory = self._tp_workers.wait_loaded() if self._tp_workers else 0
+        num_blocks = determine_num_blocks(model, engine_args, self.kv_cache_dtype, other_ranks_memory)
+        if self._tp_workers:
+            self._tp_workers.allocate_kv_caches(num_blocks)
         capacity = num_blocks * block_size
         model_len = self.model_config.max_position_embeddings
         if engine_args.max_model_len is None:
@@ -108,12 +148,14 @@ class LLMEngine:
                                                enable_caching=engine_args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, engine_args.max_num_seqs,
                                    engine_args.max_num_batched_tokens, self.max_model_len)
-        self.model_runner = ModelRunner(model, num_blocks, block_size, engine_args.seed, self.kv_cache_dtype)
-        self.bytes_per_block = bytes_per_block(model, block_size, self.kv_cache_dtype)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s; %d requests of "
-                    "max_model_len=%d fit at once", num_blocks, block_size, capacity,
+        self.model_runner = ModelRunner(model, num_blocks, block_size, engine_args.seed, self.kv_cache_dtype,
+                                        broadcast_steps=self._tp_workers is not None)
+        # All ranks together: each holds its KV heads' share of every block.
+        self.bytes_per_block = bytes_per_block(model, block_size, self.kv_cache_dtype) * engine_args.tensor_parallel_size
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%d tensor-parallel ranks); "
+                    "%d requests of max_model_len=%d fit at once", num_blocks, block_size, capacity,
                     num_blocks * self.bytes_per_block / 2**20, str(self.kv_cache_dtype).replace("torch.", ""),
-                    capacity // self.max_model_len, self.max_model_len)
+                    engine_args.tensor_parallel_size, capacity // self.max_model_len, self.max_model_len)
         self.weight_bytes = weight_bytes(model)
         unquantized = model.unquantized_weight_bytes or self.weight_bytes
         if getattr(model, "quantization", None):
@@ -124,7 +166,8 @@ class LLMEngine:
                         "in the pool above" if engine_args.kv_cache_memory_bytes is None and
                         engine_args.num_gpu_blocks_override is None else "not used: the pool's size is set")
         else:
-            logger.info("weights: %.1f MiB (not quantized)", self.weight_bytes / 2**20)
+            logger.info("weights: %.1f MiB (not quantized)%s", self.weight_bytes / 2**20,
+                        " in rank 0's shard" if self._tp_workers else "")
         self.input_processor = InputProcessor(self.get_model_info())
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(tokenizer)
@@ -139,6 +182,33 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
         return cls(engine_args)
+
+    def check_health(self) -> None:
+        """Raises ``TensorParallelError`` when a tensor-parallel rank is gone (vLLM's
+        ``check_health``); a no-op for a single-process engine."""
+        if self._tp_error is not None:
+            raise self._tp_error
+        if self._tp_workers is not None:
+            try:
+                self._tp_workers.check_alive()
+            except TensorParallelError as exc:
+                self._tp_error = exc
+                raise
+
+    def on_worker_failure(self, callback) -> None:
+        """Have ``callback()`` called from a watchdog thread as soon as a tensor-parallel worker
+        exits unexpectedly, so that an idle owner learns of it before its next ``step()``. The
+        callback runs outside the engine's thread: it must only hand the news over (for
+        instance queue a call of ``check_health``). A no-op without workers."""
+        if self._tp_workers is not None:
+            self._tp_workers.on_failure(callback)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op without them). Idempotent; the engine
+        computes no step after it."""
+        if self._tp_workers is not None:
+            self._tp_workers.shutdown()
+            self._tp_error = self._tp_error or TensorParallelError("the engine was shut down")
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -312,8 +382,13 @@ class LLMEngine:
             for fork in request.pending_forks:
                 requests[fork.request_id] = fork
         try:
+            self.check_health()
             runner_output = self.model_runner.execute_model(scheduler_output.scheduled, block_tables,
                                                             scheduler_output.blocks_to_copy)
+        except TensorParallelError as exc:
+            # Fatal: the ranks are out of step and cannot be brought back.
+            self._tp_error = self._tp_workers.failure(exc) if self._tp_workers and exc is not self._tp_error else exc
+            raise self._tp_error from exc
         except Exception as exc:  # noqa: BLE001 - one failed forward must not take the others down
             logger.exception("the model forward failed: ending the %d sequences of this step", len(requests))
             return outputs + self._fail_requests(requests.values(), exc)

@@ -39,6 +39,7 @@ from pagedllm.layers.attention import AttentionMetadata, paged_attention
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.ops import rotary_embedding_
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM, RotaryEmbedding
+from pagedllm.models.sharding import TensorParallelShard
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -170,8 +171,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     }
 
     def __init__(self, config: Gemma3Config, dtype: torch.dtype = torch.float32,
-                 quantization: Optional[str] = None) -> None:
+                 quantization: Optional[str] = None, tp: TensorParallelShard = TensorParallelShard()) -> None:
         nn.Module.__init__(self)
+        if tp.size != 1:
+            # Its layers are not sharded (models/sharding.py splits Llama-shaped layers only).
+            raise ValueError(f"Gemma 3 runs with tensor_parallel_size=1 only, got {tp.size}")
+        self.tp = tp
         layer_types = tuple(config.layer_types) or tuple(default_layer_types(config.num_hidden_layers))
         if len(layer_types) != config.num_hidden_layers or set(layer_types) - {SLIDING, FULL}:
             raise ValueError(f"layer_types must give {SLIDING!r} or {FULL!r} for each of the "

@@ -18,6 +18,8 @@ from pagedllm.layers.attention import AttentionMetadata, paged_attention
 from pagedllm.layers.fused_decode import FusedDecode
 from pagedllm.layers.linear import Linear, packing_available
 from pagedllm.layers.ops import add_rms_norm_, rms_norm, rotary_embedding_, silu_and_mul
+from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
+from pagedllm.models.sharding import TensorParallelShard
 
 
 @dataclass
@@ -82,10 +84,14 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    """Grouped-query attention over this rank's heads (``tp``): Q/K/V column-parallel, o_proj
+    row-parallel, its partial sums added over the ranks by one all-reduce."""
+
+    def __init__(self, config: LlamaConfig, tp: TensorParallelShard = TensorParallelShard()) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp_size = tp.size
+        self.num_heads = tp.num_heads(config)
+        self.num_kv_heads = tp.num_kv_heads(config)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -103,27 +109,34 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.o_proj(paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata,
+                                          self.scale).reshape(num_tokens, self.q_size))
+        return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    """SwiGLU over this rank's intermediate rows: gate/up column-parallel, down row-parallel
+    (one all-reduce)."""
+
+    def __init__(self, config: LlamaConfig, tp: TensorParallelShard = TensorParallelShard()) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.tp_size = tp.size
+        intermediate_size = config.intermediate_size // tp.size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TensorParallelShard = TensorParallelShard()) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, positions, hidden, residual, kv_cache, metadata, rotary):
         """``residual`` (the stream HF adds every sub-layer's output to) is None for the first
@@ -149,29 +162,43 @@ class LlamaForCausalLM(nn.Module):
         dtype: the compute (and default KV cache) dtype, kept once the weights are quantized.
         quantization: ``"int8"``, ``"int4"`` or None: the method ``quantize_model`` applies
             to the loaded weights (vLLM's ``quant_config``; ``models/loader.py: build_model``).
+        tp: the tensor-parallel rank this model is the shard of (``models/sharding.py``); its
+            decoder layers hold that rank's heads and rows and all-reduce, and
+            ``load_hf_state_dict`` takes that rank's slice of each weight
+            (``TensorParallelShard.shard_state_dict``).
 
     Attributes:
         fused_decode: runs the decoder layers of a decode-only step as one C++ call
             (``layers/fused_decode.py``); ``fused_decode.enabled = False`` forces the Python layers.
             None in a subclass whose layers have another shape (``models/gemma3.py``).
+            Off under tensor parallelism: the op runs every layer in one call, and the
+            all-reduces must run between its attention and MLP halves.
         unquantized_weight_bytes: the weights' bytes before ``quantize_model`` (None: not quantized).
     """
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
-                 quantization: Optional[str] = None) -> None:
+                 quantization: Optional[str] = None, tp: TensorParallelShard = TensorParallelShard()) -> None:
         super().__init__()
+        tp.check(config, quantization)
         self.config = config
+        self.tp = tp
         self.dtype = dtype
         self.quantization = quantization
         self.unquantized_weight_bytes: Optional[int] = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
         # The layers are the standard Llama decoder layer, so the C++ op can run them.
         self.fused_decode = FusedDecode(self.layers, self.rotary, config.rms_norm_eps, quantization)
+        self.fused_decode.enabled = tp.size == 1
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        """KV heads this model's KV cache holds (all of them unless it is a tensor-parallel shard)."""
+        return self.tp.num_kv_heads(self.config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -235,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
         def take(name: str) -> torch.Tensor:
             if name not in state_dict:
                 raise ValueError(f"weight {name!r} missing from the checkpoint")
-            return state_dict[name]
+            return self.tp.shard_weight(name, state_dict[name], self.config)
 
         def put(module: nn.Module, attr: str, value: torch.Tensor, name: str) -> None:
             if isinstance(module, Linear) and attr == "weight":

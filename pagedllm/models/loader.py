@@ -22,6 +22,7 @@ from pagedllm.layers.quantization import Int4Weight, int4_from_q4_1, int4_from_q
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
+from pagedllm.models.sharding import TensorParallelShard
 from pagedllm.models.registry import NAMED_MODELS, resolve_named_model
 
 logger = logging.getLogger(__name__)
@@ -207,23 +208,26 @@ def load_prequantized_int4(path: Path) -> dict[str, Int4Weight]:
 
 def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                 quantization: Optional[str] = None,
-                prequantized: Optional[dict[str, Int4Weight]] = None) -> LlamaForCausalLM:
+                prequantized: Optional[dict[str, Int4Weight]] = None,
+                tp: TensorParallelShard = TensorParallelShard()) -> LlamaForCausalLM:
     """Instantiate the model without random init (meta device), install the weights, and
     quantize its linear layers when ``quantization`` is ``"int8"`` or ``"int4"`` (``int4``
-    takes ``prequantized`` GGUF 4-bit weights as they are; see ``quantize_model``).
+    takes ``prequantized`` GGUF 4-bit weights as they are; see ``quantize_model``). With ``tp``
+    the model is that rank's shard (``models/sharding.py``), prequantized weights included.
 
     Raises:
-        ValueError: an architecture without a model class, or a bad weight.
+        ValueError: an architecture without a model class, a bad weight, or a configuration
+            that does not split over ``tp.size`` ranks.
     """
     model_class = MODEL_CLASSES.get(config.architecture)
     if model_class is None:
         raise ValueError(f"architecture {config.architecture!r} is not supported "
                          f"(supported: {SUPPORTED_ARCHITECTURES})")
     with torch.device("meta"):
-        model = model_class(config, dtype, quantization)
+        model = model_class(config, dtype, quantization, tp)
     model.load_hf_state_dict(state_dict)
     if model.quantization is not None:
-        quantize_model(model, prequantized)
+        quantize_model(model, tp.shard_state_dict(prequantized or {}, config))
     model.pack_linear_weights()
     return model.eval()
 

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
+from pagedllm.models.sharding import TensorParallelShard
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -26,7 +27,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     hf_config_defaults = {"attention_bias": True}
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
-                 quantization: Optional[str] = None) -> None:
+                 quantization: Optional[str] = None, tp: TensorParallelShard = TensorParallelShard()) -> None:
         if not config.attention_bias:
             raise ValueError("Qwen2 needs attention_bias=True (q/k/v projections have biases)")
-        super().__init__(config, dtype, quantization)
+        super().__init__(config, dtype, quantization, tp)

@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.config import EngineArgs, kv_cache_bytes_per_block, machine_memory, process_memory
 from pagedllm.core.request import Request
+from pagedllm.distributed.parallel_state import collectives_disabled
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
 from pagedllm.worker.model_runner import ModelRunner
@@ -24,29 +25,38 @@ logger = logging.getLogger(__name__)
 
 
 def bytes_per_block(model: "LlamaForCausalLM", block_size: int, kv_cache_dtype: torch.dtype) -> int:
-    """Bytes of one block's K and V over every layer."""
+    """Bytes of one block's K and V over every layer, of the KV heads ``model`` holds (a
+    tensor-parallel shard: this rank's; every rank holds as many)."""
     c = model.config
-    return kv_cache_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+    return kv_cache_bytes_per_block(c.num_hidden_layers, model.num_kv_heads_per_rank, c.head_dim,
                                     block_size, kv_cache_dtype)
 
 
-def determine_num_blocks(model: "LlamaForCausalLM", args: EngineArgs, kv_cache_dtype: torch.dtype) -> int:
+def determine_num_blocks(model: "LlamaForCausalLM", args: EngineArgs, kv_cache_dtype: torch.dtype,
+                         other_ranks_memory: int = 0) -> int:
     """``num_gpu_blocks_override``, else ``kv_cache_memory_bytes`` in blocks, else what
     ``memory_utilization`` of the machine leaves after this process and one step's activation
     peak (profiled with a ``max_num_batched_tokens`` prefill).
 
+    Under tensor parallelism (``model`` is rank 0's shard of ``args.tensor_parallel_size``)
+    the budget is the machine's, shared by the ranks: a block costs every rank's part of it,
+    the other ranks' resident bytes (``other_ranks_memory``) count as used, and each rank is
+    taken to peak as rank 0 does (profiled alone, the all-reduces skipped).
+
     Raises:
         ValueError: a budget that holds no block.
     """
-    block_bytes = bytes_per_block(model, args.block_size, kv_cache_dtype)
+    tp_size = args.tensor_parallel_size
+    block_bytes = bytes_per_block(model, args.block_size, kv_cache_dtype) * tp_size
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
     if args.kv_cache_memory_bytes is not None:
         budget = args.kv_cache_memory_bytes
     else:
         total, available = machine_memory()
-        used = process_memory()
-        peak = profile_activation_peak(model, args, kv_cache_dtype)
+        used = process_memory() + other_ranks_memory
+        with collectives_disabled():
+            peak = profile_activation_peak(model, args, kv_cache_dtype) * tp_size
         allowed = min(args.memory_utilization * total, used + available)
         budget = int(allowed - used - peak)
         logger.info("memory: %.0f MiB total, process %.0f MiB, warm-up activation peak %.0f MiB, "

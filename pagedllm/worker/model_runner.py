@@ -20,6 +20,7 @@ from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
 from pagedllm.layers.ops import native_ops
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.outputs import TokenLogprobs
+from pagedllm.worker.step_inputs import StepInputs, broadcast_step
 from pagedllm.worker.sampler import SamplingMetadata, compute_logprobs, gather_logprobs, sample
 
 logger = logging.getLogger(__name__)
@@ -70,17 +71,21 @@ class ModelRunner:
         num_blocks, block_size: the pool's shape.
         seed: seed of the global generator for unseeded sampling.
         kv_cache_dtype: the cache's dtype (None: the model's), see ``EngineArgs.kv_cache_dtype``.
+        broadcast_steps: rank 0 of a tensor-parallel group: send every step's inputs to the
+            other ranks (``worker/step_inputs.py``) before computing it. The cache then holds
+            only this rank's KV heads (``model.num_kv_heads_per_rank``).
     """
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0,
-                 kv_cache_dtype: Optional[torch.dtype] = None) -> None:
+                 kv_cache_dtype: Optional[torch.dtype] = None, broadcast_steps: bool = False) -> None:
         self.model = model
         config = model.config
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = config.vocab_size
+        self.broadcast_steps = broadcast_steps
         dtype = kv_cache_dtype or model.dtype
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        shape = (num_blocks, block_size, model.num_kv_heads_per_rank, config.head_dim)
         self.kv_caches = [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype))
                           for _ in range(config.num_hidden_layers)]
         self.generator = torch.Generator().manual_seed(seed)
@@ -144,10 +149,15 @@ class ModelRunner:
             key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
             value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
 
+    def execute_step(self, step: StepInputs) -> torch.Tensor:
+        """Copy-on-write, then the forward of ``step``: ``[num_tokens, hidden_size]`` hidden
+        states (what every tensor-parallel rank runs; rank 0 then samples)."""
+        if step.blocks_to_copy:
+            self.copy_blocks(step.blocks_to_copy)
+        return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+
     def _forward(self, scheduled: Sequence[tuple[Request, int]], block_tables: dict[str, list[int]],
                  blocks_to_copy: Sequence[tuple[int, int]]) -> "_ForwardResult":
-        if blocks_to_copy:
-            self.copy_blocks(blocks_to_copy)
         # Single-token sequences first: they share one batched decode-attention call.
         decodes = [(r, n) for r, n in scheduled if n == 1]
         prefills = [(r, n) for r, n in scheduled if n > 1]
@@ -195,7 +205,10 @@ class ModelRunner:
             metadata.decode_block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
             metadata.decode_context_lens = torch.tensor(context_lens)
 
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata)
+        step = StepInputs(torch.tensor(input_ids), torch.tensor(positions), metadata, blocks_to_copy)
+        if self.broadcast_steps:
+            broadcast_step(step)
+        hidden = self.execute_step(step)
         return _ForwardResult(hidden, sample_rows, sample_requests, prompt_logprob_rows)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, next_token_ids: list[int],

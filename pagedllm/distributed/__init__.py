@@ -1,0 +1,1 @@
+"""Tensor parallelism across processes: the process groups and the all-reduce (``parallel_state``)."""
