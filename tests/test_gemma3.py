@@ -331,3 +331,12 @@ def test_hub_style_gemma_config_is_read():
     assert (config.rope_theta, config.rope_local_base_freq) == (1_000_000.0, 10_000.0)
     assert (config.sliding_window, config.query_pre_attn_scalar, config.tie_word_embeddings) == (512, 256.0, True)
     assert config.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+
+
+def test_tensor_parallel_is_refused_by_name(tiny_gemma):
+    from pagedllm.models.gemma3 import Gemma3ForCausalLM
+    from pagedllm.models.sharding import TensorParallelShard
+
+    config = tiny_gemma[1].config
+    with pytest.raises(ValueError, match="Gemma 3 runs with tensor_parallel_size=1 only, got 2"):
+        Gemma3ForCausalLM(config, tp=TensorParallelShard(rank=0, size=2))

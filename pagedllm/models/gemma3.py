@@ -157,7 +157,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         rotary, rotary_local: RoPE tables of the global and the local layers.
 
     Raises:
-        ValueError: ``layer_types`` does not name every layer, or names an unknown type.
+        ValueError: ``layer_types`` does not name every layer, or names an unknown type;
+            ``tp.size > 1`` (no tensor parallelism for this family).
     """
 
     # GGUF tensor names (after ``blk.N.``) that differ from Llama's meaning (llama.cpp's
