@@ -53,9 +53,6 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(request)
         if request.tools:
             raise OpenAIError(400, "tools are not supported", param="tools")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise OpenAIError(400, f"response_format {request.response_format.get('type')!r} is not "
-                                   "supported (only 'text')", param="response_format")
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         text, token_ids = self.render(request.messages, request.add_generation_prompt,
