@@ -250,3 +250,73 @@ def test_preemption_in_the_middle_of_a_constrained_output_keeps_it_valid():
         assert completion.finish_reason == "stop"
         jsonschema.validate(json.loads(completion.text), PERSON)
     assert tight.kv_cache_manager.block_pool.num_free_blocks == tight.num_blocks
+
+
+# ----------------------------------------------------------------------------- HTTP
+@pytest.fixture(scope="module")
+def server():
+    from tests.test_server import InThreadServer
+    with InThreadServer(make_engine(), served_model_name="tiny") as running:
+        yield running
+
+
+def openai_client(server):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+def test_openai_response_format_json_schema_streaming_and_not(server):
+    client = openai_client(server)
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}}
+    body = dict(model="tiny", messages=MESSAGES, temperature=0, max_tokens=200, response_format=response_format)
+    # Over HTTP the whitespace is free (vLLM's default); the JSON still validates.
+    response = client.chat.completions.create(**body)
+    text = response.choices[0].message.content
+    if response.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(text), PERSON)
+    streamed = "".join(chunk.choices[0].delta.content or ""
+                       for chunk in client.chat.completions.create(**body, stream=True) if chunk.choices)
+    assert streamed == text
+    compact = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=200,
+                                             extra_body={"structured_outputs": {"json": PERSON,
+                                                                                "disable_any_whitespace": True}})
+    assert compact.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(compact.choices[0].message.content), PERSON)
+
+
+def test_vllm_extra_body_fields_on_completions_and_chat(server):
+    client = openai_client(server)
+    choices = ["positive", "negative", "neutral"]
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=20,
+                                          extra_body={"guided_choice": choices})
+    assert chat.choices[0].message.content in choices and chat.choices[0].finish_reason == "stop"
+    completion = client.completions.create(model="tiny", prompt="The code is", temperature=1.0, seed=7, n=3,
+                                           max_tokens=20, extra_body={"guided_regex": "[A-Z]{3}-[0-9]{2}"})
+    assert all(re.fullmatch("[A-Z]{3}-[0-9]{2}", c.text) for c in completion.choices)
+    obj = client.completions.create(model="tiny", prompt="JSON:", temperature=0, max_tokens=30,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    assert obj.choices[0].text.startswith("{")
+
+
+@pytest.mark.parametrize("body, status, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     400, None, "structured_outputs.json is invalid: Invalid type: foo"),
+    ({"guided_regex": "(?<=a)b"}, 400, None, "look-around"),
+    ({"guided_grammar": "start: nope"}, 400, None, 'unknown name: "nope"'),
+    ({"response_format": {"type": "yaml"}}, 400, "response_format", "got 'yaml'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format",
+     "needs json_schema.schema"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, 400, "response_format",
+     "conflicts with guided_choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "structured_outputs", "exactly one of"),
+])
+def test_bad_constraints_are_openai_400s(server, body, status, param, words):
+    import httpx
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                          json={"model": "tiny", "messages": MESSAGES, "max_tokens": 5, **body})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert words in error["message"] and error["param"] == param and error["type"] == "BadRequestError"
