@@ -320,3 +320,100 @@ def test_bad_constraints_are_openai_400s(server, body, status, param, words):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert words in error["message"] and error["param"] == param and error["type"] == "BadRequestError"
+
+
+# ----------------------------------------------------------------------------- real models
+S = {"type": "string", "maxLength": 40}
+SCHEMAS = [
+    ("a person", {"type": "object", "properties": {"name": S, "age": {"type": "integer", "minimum": 0,
+                                                                       "maximum": 150}},
+                  "required": ["name", "age"]}),
+    ("a person with an address", {"type": "object", "required": ["name", "address"], "properties": {
+        "name": S, "address": {"type": "object", "required": ["street", "city", "zip"],
+                               "properties": {"street": S, "city": S, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}),
+    ("a car and its color", {"type": "object", "required": ["model", "color"], "properties": {
+        "model": S, "color": {"enum": ["red", "green", "blue"]}}}),
+    ("three fruits", {"type": "object", "required": ["fruits"], "properties": {
+        "fruits": {"type": "array", "items": S, "minItems": 2, "maxItems": 4}}}),
+    ("today's weather", {"type": "object", "required": ["city", "temperature_c", "sunny"], "properties": {
+        "city": S, "temperature_c": {"type": "number", "minimum": -50, "maximum": 60}, "sunny": {"type": "boolean"}}}),
+    ("two books", {"type": "object", "required": ["books"], "properties": {"books": {
+        "type": "array", "minItems": 2, "maxItems": 2, "items": {
+            "type": "object", "required": ["title", "year"], "additionalProperties": False,
+            "properties": {"title": S, "year": {"type": "integer", "minimum": 1450, "maximum": 2025}}}}}}),
+    ("a company and its CEO", {"type": "object", "required": ["company"], "properties": {"company": {
+        "type": "object", "required": ["name", "ceo"], "properties": {
+            "name": S, "ceo": {"type": "object", "required": ["name", "age"], "properties": {
+                "name": S, "age": {"type": "integer", "exclusiveMinimum": 17, "maximum": 99}}}}}}}),
+    ("a movie review", {"type": "object", "required": ["movie", "rating", "review"], "properties": {
+        "movie": S, "rating": {"enum": [1, 2, 3, 4, 5]}, "review": {"type": "string", "maxLength": 80}}}),
+    ("your exam scores", {"type": "object", "required": ["scores", "unit"], "properties": {
+        "scores": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 100},
+                   "minItems": 1, "maxItems": 3},
+        "unit": {"enum": ["points", "percent"]}}}),
+    ("a to-do item", {"type": "object", "required": ["task", "done", "priority", "tags"], "properties": {
+        "task": S, "done": {"type": "boolean"}, "priority": {"type": "integer", "minimum": 1, "maximum": 3},
+        "tags": {"type": "array", "items": {"enum": ["home", "work", "urgent"]}, "maxItems": 2}}}),
+]
+
+
+def strict(schema):
+    """OpenAI's strict mode: no properties beyond those listed (a small model otherwise keeps
+    inventing fields until max_tokens)."""
+    if isinstance(schema, dict):
+        schema = {key: strict(value) for key, value in schema.items()}
+        if schema.get("type") == "object":
+            schema.setdefault("additionalProperties", False)
+    elif isinstance(schema, list):
+        schema = [strict(item) for item in schema]
+    return schema
+
+
+SCHEMAS = [(what, strict(schema)) for what, schema in SCHEMAS]
+
+
+def chat_prompts(llm, what):
+    tokenizer = llm.get_tokenizer()
+    return [tokenizer.apply_chat_template([{"role": "user", "content": f"Give {w} as a JSON object."}],
+                                          tokenize=False, add_generation_prompt=True) for w in what]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_json_schemas_validate(smollm2_llm_fp32):
+    llm = smollm2_llm_fp32
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=StructuredOutputsParams(json=schema))
+              for _, schema in SCHEMAS]
+    outputs = llm.generate(chat_prompts(llm, [what for what, _ in SCHEMAS]), params, use_tqdm=False)
+    for (what, schema), output in zip(SCHEMAS, outputs):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", (what, completion.text)
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+@pytest.mark.slow
+def test_smollm2_choice_and_regex(smollm2_llm_fp32):
+    llm = smollm2_llm_fp32
+    prompts = chat_prompts(llm, ["the sentiment of 'I love this!' (positive, negative or neutral)",
+                                 "a US phone number"])
+    choice, regex = llm.generate(prompts, [
+        SamplingParams(temperature=0, max_tokens=10,
+                       structured_outputs=StructuredOutputsParams(choice=["positive", "negative", "neutral"])),
+        SamplingParams(temperature=0, max_tokens=30,
+                       structured_outputs=StructuredOutputsParams(regex=r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"))],
+        use_tqdm=False)
+    assert choice.outputs[0].text in ("positive", "negative", "neutral")
+    assert re.fullmatch(r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}", regex.outputs[0].text)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not NAMED_MODELS["qwen2.5-coder-0.5b"].is_installed(), reason="needs Qwen2.5-Coder")
+def test_qwen_greedy_json_schemas_validate():
+    from pagedllm import LLM
+    llm = LLM(model="qwen2.5-coder-0.5b", dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
+    chosen = [SCHEMAS[1], SCHEMAS[5]]
+    params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=StructuredOutputsParams(json=schema))
+              for _, schema in chosen]
+    outputs = llm.generate(chat_prompts(llm, [what for what, _ in chosen]), params, use_tqdm=False)
+    for (what, schema), output in zip(chosen, outputs):
+        assert output.outputs[0].finish_reason == "stop", (what, output.outputs[0].text)
+        jsonschema.validate(json.loads(output.outputs[0].text), schema)
