@@ -174,11 +174,13 @@ class TextContentPart(OpenAIBaseModel):
 
 class ChatMessage(OpenAIBaseModel):
     """One chat message. As OpenAI's API: the roles below only, and ``content`` required except
-    for an assistant message (which may carry only a name or, in OpenAI's API, tool calls)."""
+    for an assistant message (which may carry only a name or tool calls)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
 
     @model_validator(mode="after")
     def _content_required(self) -> "ChatMessage":
@@ -192,8 +194,9 @@ class ChatMessage(OpenAIBaseModel):
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
         return message
 
 
@@ -207,6 +210,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: Bool = False
     top_logprobs: Optional[Int] = None
     tools: Optional[list[Any]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
     # vLLM extensions
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
