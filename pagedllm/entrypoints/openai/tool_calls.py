@@ -67,7 +67,8 @@ def check_tools(tools: Optional[list[Any]], tool_choice: Any) -> tuple[str, Opti
         raise ValueError(f"tool_choice {tool_choice!r} needs tools")
     if tool_choice in ("auto", "required"):
         return tool_choice, None
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
         raise ValueError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
                          f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}")
