@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from pagedllm.entrypoints.openai.tool_calls import held_back, parse_auto
+from pagedllm.models.registry import NAMED_MODELS
 from tests.test_structured_outputs import make_engine, pytestmark  # noqa: F401 - same skip
 
 WEATHER = {"type": "object", "required": ["city", "unit"], "additionalProperties": False,
@@ -33,8 +34,8 @@ def client():
 
 
 def create(client, **kwargs):
-    return client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, temperature=0,
-                                          max_tokens=300, **kwargs)
+    kwargs.setdefault("max_tokens", 300)
+    return client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, temperature=0, **kwargs)
 
 
 def streamed_calls(stream) -> tuple[dict[int, dict], str]:
@@ -111,6 +112,7 @@ def test_parse_auto_and_held_back():
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
     ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [{"type": "function"}]}, "tools", "tools entry 0 must be"),
+    ({"tool_choice": {"type": "function", "function": "get_time"}}, "tool_choice", "tool_choice must be"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "constrains the reply already"),
 ])
@@ -121,3 +123,25 @@ def test_bad_tool_requests_are_400s(client, body, param, words):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert words in error["message"] and error["param"] == param
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not NAMED_MODELS["qwen2.5-coder-0.5b"].is_installed(), reason="needs Qwen2.5-Coder")
+def test_qwen_template_receives_the_tools_and_forced_calls_validate():
+    from pagedllm import LLM
+    from tests.test_server import InThreadServer
+
+    llm = LLM(model="qwen2.5-coder-0.5b", dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=1024)
+    tokenizer = llm.get_tokenizer()
+    with_tools, without = (tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, tools=tools, tokenize=False,
+                                                                          add_generation_prompt=True),
+                                            add_special_tokens=False) for tools in (TOOLS, None))
+    with InThreadServer(llm.llm_engine, served_model_name="tiny") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        named = create(client, tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60)
+        plain = create(client, tool_choice="none", max_tokens=1)
+    assert named.usage.prompt_tokens == len(with_tools) and plain.usage.prompt_tokens == len(without)
+    (call,) = named.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER)
+    assert arguments["city"] == "Paris"
