@@ -56,6 +56,12 @@ def make_engine(**overrides) -> LLMEngine:
     return LLMEngine(EngineArgs.from_kwargs(**kwargs), model=_wide_tiny_model(), tokenizer=smollm2_tokenizer())
 
 
+@functools.lru_cache(maxsize=1)
+def shared_engine() -> LLMEngine:
+    """One engine for the tests that leave it idle (saves building one per test)."""
+    return make_engine()
+
+
 def compact_json(schema) -> StructuredOutputsParams:
     # A random model in flexible-whitespace JSON fills max_tokens with whitespace.
     return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
@@ -101,7 +107,7 @@ def test_older_guided_decoding_name_is_the_same_field():
     (StructuredOutputsParams(grammar="start: undefined_rule"), 'unknown name: "undefined_rule"'),
 ])
 def test_invalid_constraint_is_a_value_error_naming_the_problem(so, problem):
-    engine = make_engine()
+    engine = shared_engine()
     with pytest.raises(ValueError, match=re.escape(problem)) as info:
         engine.add_request("bad", "Hello", SamplingParams(structured_outputs=so))
     assert str(info.value).startswith(f"structured_outputs.{so.kind} is invalid")
@@ -109,7 +115,7 @@ def test_invalid_constraint_is_a_value_error_naming_the_problem(so, problem):
 
 
 def test_compiled_grammars_are_cached_by_kind_and_spec():
-    compiler = make_engine().grammar_compiler
+    compiler = shared_engine().grammar_compiler
     first = compiler.compile(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}}}))
     # The same schema written in another key order is the same constraint.
     again = compiler.compile(StructuredOutputsParams(json='{"properties": {"a": {"type": "string"}}, "type": "object"}'))
@@ -123,7 +129,7 @@ def test_bitmask_applies_to_the_constrained_rows_only():
     llguidance's own apply function on the constrained rows."""
     import llguidance.torch
 
-    engine = make_engine()
+    engine = shared_engine()
     states = [engine.grammar_compiler.compile(StructuredOutputsParams(regex="[0-9]+")).new_state(),
               engine.grammar_compiler.compile(StructuredOutputsParams(choice=["hello", "world"])).new_state()]
     bitmask = allocate_bitmask(2, SMOLLM2_VOCAB)
@@ -192,7 +198,7 @@ def test_random_model_outputs_follow_their_constraints():
 
 
 def test_max_tokens_ends_with_length_and_a_valid_prefix():
-    engine = make_engine()
+    engine = shared_engine()
     so = compact_json(PERSON)
     engine.add_request("r", "Hello there", SamplingParams(temperature=0, max_tokens=7, structured_outputs=so))
     completion = run_to_completion(engine)["r"].outputs[0]
@@ -202,7 +208,7 @@ def test_max_tokens_ends_with_length_and_a_valid_prefix():
 
 
 def test_stop_strings_still_end_a_constrained_request():
-    engine = make_engine()
+    engine = shared_engine()
     so = compact_json(PERSON)
     engine.add_request("r", "Hello there", SamplingParams(temperature=0, max_tokens=200, structured_outputs=so,
                                                           stop=['"age"']))
@@ -250,6 +256,26 @@ def test_preemption_in_the_middle_of_a_constrained_output_keeps_it_valid():
         assert completion.finish_reason == "stop"
         jsonschema.validate(json.loads(completion.text), PERSON)
     assert tight.kv_cache_manager.block_pool.num_free_blocks == tight.num_blocks
+
+
+def test_fork_request_copies_the_grammar_state_without_the_replaced_token():
+    """Beam search's primitive: the child's state is the parent's before its last token, then
+    the child's token; a token the constraint forbids ends the child with "error"."""
+    engine = shared_engine()
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=20,
+                            structured_outputs=StructuredOutputsParams(regex="[0-9]{6}"))
+    engine.add_request("parent", "Numbers:", params)
+    (output,) = engine.step()
+    last = output.outputs[0].token_ids[-1]
+    forbidden = next(t for t in output.outputs[0].logprobs[-1]
+                     if not smollm2_tokenizer().decode([t]).isdigit())
+    engine.fork_request("parent", "same", last)
+    engine.fork_request("parent", "bad", forbidden)
+    finals = run_to_completion(engine)
+    assert re.fullmatch("[0-9]{6}", finals["parent"].outputs[0].text)
+    assert finals["same"].outputs[0].token_ids == finals["parent"].outputs[0].token_ids
+    assert finals["bad"].outputs[0].finish_reason == "error"
+    assert engine.kv_cache_manager.block_pool.num_free_blocks == engine.num_blocks
 
 
 # ----------------------------------------------------------------------------- HTTP
