@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
