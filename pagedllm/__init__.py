@@ -5,8 +5,9 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.llm import LLM
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "StructuredOutputsParams",
+           "GuidedDecodingParams"]
 __version__ = "0.1.0"

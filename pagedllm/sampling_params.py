@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 # Below this temperature sampling is an argmax (vLLM's ``_SAMPLING_EPS``).
 _SAMPLING_EPS = 1e-5
@@ -25,6 +26,97 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM ``StructuredOutputsParams``, same field names).
+
+    Exactly one of:
+
+    - ``json``: a JSON schema (a dict, or its JSON text); the output is one JSON value that
+      validates against it.
+    - ``regex``: the output matches the regular expression in full (Rust ``regex`` syntax, as
+      llguidance reads it: no look-around, no back-references).
+    - ``choice``: the output is exactly one of these strings.
+    - ``grammar``: a context-free grammar in Lark syntax (llguidance's), or GBNF (llama.cpp's
+      ``::=`` rules), which is converted to Lark.
+    - ``json_object=True``: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+
+    and optionally ``disable_any_whitespace=True``: JSON without whitespace between tokens
+    (by default any JSON whitespace is allowed, as in vLLM; a weak model may then fill
+    ``max_tokens`` with it).
+
+    Only the Python types and the one-kind rule are checked here; whether a schema, regex or
+    grammar compiles is checked by ``GrammarCompiler.compile`` when the request is added
+    (a ``ValueError`` naming the problem).
+
+    Raises:
+        ValueError: none or several kinds given, or a field of the wrong type (an empty
+            ``choice``, a ``json`` string that is not JSON, a schema that is not an object).
+    """
+
+    json: Union[str, dict, None] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar or "
+                             f"json_object, got {given or 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    self.json = json.loads(self.json)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if not isinstance(self.json, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got "
+                                 f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got "
+                                 f"{self.choice!r}")
+            for option in self.choice:
+                if not isinstance(option, str) or not option:
+                    raise ValueError(f"structured_outputs.choice entries must be non-empty strings, got "
+                                     f"{option!r}")
+            self.choice = list(self.choice)
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name} must be True or False, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        """``"json"``, ``"regex"``, ``"choice"``, ``"grammar"`` or ``"json_object"``."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(kind, spec)``, the spec as canonical text: equal constraints have equal keys."""
+        kind = self.kind
+        spec: Any = True if kind == "json_object" else getattr(self, kind)
+        spec = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
+        if kind in ("json", "json_object") and self.disable_any_whitespace:
+            kind += "/compact"
+        return kind, spec
+
+
+# vLLM's name for it before v0.10.2 (``SamplingParams(guided_decoding=GuidedDecodingParams(...))``).
+GuidedDecodingParams = StructuredOutputsParams
 
 
 @dataclass
@@ -68,6 +160,10 @@ class SamplingParams:
     - ``bad_words``: words that are never generated: the last token of each of their
       tokenizations is masked when the tokens before it were just generated.
     - ``output_kind``: see ``RequestOutputKind``.
+    - ``structured_outputs``: a ``StructuredOutputsParams`` (or a dict of its fields): the
+      output follows a JSON schema, regex, choice or grammar; the request ends (``"stop"``)
+      when the constraint is complete, or at ``max_tokens`` (``"length"``) with what was
+      generated. ``guided_decoding`` is vLLM's older name for the same field.
 
     Logprobs are *raw*: log-softmax of the model's logits before penalties, bias, masks,
     temperature or top-k/top-p/min-p (vLLM's default ``logprobs_mode="raw_logprobs"``), so a
@@ -100,6 +196,8 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_decoding: Optional[StructuredOutputsParams] = None
     # Token ids of ``bad_words``, filled by the engine with its tokenizer.
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -155,6 +253,19 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty (None allows every token)")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown fields {sorted(unknown)}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{self.structured_outputs!r}")
 
     @staticmethod
     def _verify_stop(stop: object) -> list[str]:

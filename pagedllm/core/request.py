@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -53,6 +54,9 @@ class Request:
         pending_forks: the other samples of an ``n > 1`` request; they are not scheduled
             themselves but fork off this request's blocks once its prompt is computed, each
             taking its first token from the same logits.
+        grammar: the sequence's ``structured_outputs`` state (None: unconstrained). It has
+            accepted exactly ``output_token_ids``: advanced with each appended token, untouched
+            by preemption and recompute.
 
     Penalties read ``prompt_token_ids`` (repetition) and ``output_token_ids`` (all three)
     directly: the two lists stay apart across preemption, which only resets
@@ -82,6 +86,7 @@ class Request:
         self.cache_salt = cache_salt
         self.num_cached_tokens = -1
         self.pending_forks: list[Request] = []
+        self.grammar: Optional[GrammarState] = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed + seed_offset)
 

@@ -226,7 +226,12 @@ class Scheduler:
 
     def _append_token(self, request: Request, token_id: int, finished: list[Request]) -> None:
         request.output_token_ids.append(token_id)
-        status = self._check_stop(request, token_id)
+        if request.grammar is not None and not request.grammar.accept_token(token_id):
+            # Only reachable when other masks overrode the grammar's (a row whose every
+            # token was masked keeps its raw logits): end it rather than emit invalid output.
+            status: Optional[RequestStatus] = RequestStatus.FINISHED_ERROR
+        else:
+            status = self._check_stop(request, token_id)
         if status is not None:
             request.status = status
             self.running.remove(request)
@@ -236,7 +241,8 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
         """EOS (unless ``ignore_eos``) and ``stop_token_ids`` end a request only after
-        ``min_tokens`` other tokens (the sampler masks them before); then the length limits.
+        ``min_tokens`` other tokens (the sampler masks them before); then a complete
+        ``structured_outputs`` constraint (``"stop"``, as vLLM); then the length limits.
         Stop strings are matched on the text, by the engine."""
         params = request.sampling_params
         if len(request.output_token_ids) > params.min_tokens:
@@ -246,6 +252,9 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_terminated:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
         if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -266,13 +266,18 @@ class AsyncLLMEngine:
             EngineDrainingError: the server is shutting down.
             EngineDeadError: the engine loop died.
         """
+        loop = asyncio.get_running_loop()
+        compiler = self.model_info.grammar_compiler
+        if params.structured_outputs is not None and compiler is not None:
+            # In a worker thread: this request waits for its grammar, the event loop and the
+            # engine thread do not; the engine thread then finds it in the compiler's cache.
+            await loop.run_in_executor(None, compiler.compile, params.structured_outputs)
         if self.dead_error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine loop is not running ({self.dead_error!r})")
         if self.draining:
             raise EngineDrainingError("the server is shutting down and takes no new requests")
         if request_id in self._active:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, f"{request_id}@{next(self._serials)}")
         ack = loop.create_future()
         self._active[request_id] = stream

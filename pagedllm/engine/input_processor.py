@@ -15,6 +15,7 @@ from typing import Any, Container, Optional, Union
 
 from pagedllm.engine.stats import ModelInfo
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import CompiledGrammar
 from pagedllm.utils import cdiv, check_utf8
 
 PromptType = Union[str, dict, list]
@@ -33,6 +34,7 @@ class ProcessedRequest:
             leaves after the prompt).
         cache_salt: prefix-cache isolation key, or None.
         arrival_time: ``time.monotonic()`` of its arrival.
+        grammar: the compiled ``structured_outputs`` constraint, or None.
     """
 
     request_id: str
@@ -42,6 +44,7 @@ class ProcessedRequest:
     max_tokens: int
     cache_salt: Optional[str]
     arrival_time: float
+    grammar: Optional[CompiledGrammar] = None
 
 
 class InputProcessor:
@@ -86,7 +89,21 @@ class InputProcessor:
         max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
         self.check_num_blocks(len(prompt_token_ids), max_tokens, params.n)
         return ProcessedRequest(request_id, prompt_text, prompt_token_ids, params, max_tokens, cache_salt,
-                                time.monotonic() if arrival_time is None else arrival_time)
+                                time.monotonic() if arrival_time is None else arrival_time,
+                                self.compile_grammar(params))
+
+    def compile_grammar(self, params: SamplingParams) -> Optional[CompiledGrammar]:
+        """The compiled ``params.structured_outputs`` (a cache hit when the server compiled
+        it already), or None.
+
+        Raises:
+            ValueError: an invalid schema, regex or grammar, or an engine without tokenizer.
+        """
+        if params.structured_outputs is None:
+            return None
+        if self.model_info.grammar_compiler is None:
+            raise ValueError("structured_outputs needs a tokenizer; this engine has none")
+        return self.model_info.grammar_compiler.compile(params.structured_outputs)
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """``(text or None, token ids)`` of a prompt: text, a list of token ids, or a dict with

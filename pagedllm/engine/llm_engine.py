@@ -30,6 +30,7 @@ from pagedllm.engine.kv_snapshot import KVCacheSnapshot, make_kv_snapshot
 from pagedllm.engine.stats import IterationStats, ModelInfo, SchedulerStats
 from pagedllm.outputs import RequestOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import GrammarCompiler
 from pagedllm.worker.kv_cache_sizing import bytes_per_block, determine_num_blocks
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.tp_worker import TensorParallelWorkers
@@ -168,6 +169,8 @@ class LLMEngine:
         else:
             logger.info("weights: %.1f MiB (not quantized)%s", self.weight_bytes / 2**20,
                         " in rank 0's shard" if self._tp_workers else "")
+        self.grammar_compiler = (GrammarCompiler(tokenizer, self.model_config.vocab_size)
+                                 if tokenizer is not None else None)
         self.input_processor = InputProcessor(self.get_model_info())
         self.parents: dict[str, ParentRequest] = {}
         self.output_processor = OutputProcessor(tokenizer)
@@ -247,6 +250,8 @@ class LLMEngine:
             parent.children.append(Request(child_id, prompt_token_ids, params, max_tokens,
                                            self.eos_token_id, arrival_time, seed_offset=index,
                                            cache_salt=cache_salt))
+            if processed.grammar is not None:  # one state per sample
+                parent.children[-1].grammar = processed.grammar.new_state()
         self.parents[request_id] = parent
         for child in parent.children:
             self._child_to_parent[child.request_id] = request_id
@@ -280,7 +285,9 @@ class LLMEngine:
         Raises:
             ValueError: an unknown or finished parent, one of ``n > 1`` samples, one whose last
                 sampled token is already computed (or that has none), one without ``logprobs``,
-                a token it did not record, or a non-string or in-flight ``child_id``.
+                a token it did not record, or a non-string or in-flight ``child_id``. With
+                ``structured_outputs``, a token the constraint forbids ends the child with
+                finish reason ``"error"``.
         """
         if not isinstance(child_id, str):
             raise ValueError(f"request_id must be a string, got {type(child_id).__name__} {child_id!r}")
@@ -313,6 +320,9 @@ class LLMEngine:
         child.prompt_logprobs = list(parent.prompt_logprobs)
         if parent.generator is not None:
             child.generator.set_state(parent.generator.get_state())
+        if parent.grammar is not None:
+            # The parent's state has accepted the token the child replaces.
+            child.grammar = parent.grammar.fork(num_rollback=1)
         self.parents[child_id] = ParentRequest(child_id, entry.prompt, entry.prompt_token_ids, [child])
         self._child_to_parent[child_id] = child_id
         self._scheduled_once.add(child_id)  # it never waited
@@ -470,7 +480,8 @@ class LLMEngine:
                          vocab_size=self.model_config.vocab_size, eos_token_id=self.eos_token_id,
                          tokenizer=self.tokenizer, block_size=self.args.block_size,
                          num_blocks=self.num_blocks, max_num_seqs=self.args.max_num_seqs,
-                         max_num_batched_tokens=self.args.max_num_batched_tokens)
+                         max_num_batched_tokens=self.args.max_num_batched_tokens,
+                         grammar_compiler=self.grammar_compiler)
 
     def _fail_requests(self, requests: Iterable[Request], exc: Exception) -> list[RequestOutput]:
         """End the user requests of ``requests``, every sample, with finish reason ``"error"``

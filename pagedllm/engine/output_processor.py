@@ -72,7 +72,12 @@ class OutputProcessor:
         detokenizer = self._state(request).detokenizer
         if detokenizer is None:
             return None
-        stop_terminated = request.status == RequestStatus.FINISHED_STOPPED
+        # Ended by an EOS or stop token (whose text is dropped), not by a complete
+        # structured_outputs constraint (whose last token is part of the output).
+        params, last = request.sampling_params, request.output_token_ids[-1]
+        stop_terminated = (request.status == RequestStatus.FINISHED_STOPPED
+                           and ((last == request.eos_token_id and not params.ignore_eos)
+                                or last in params.stop_token_ids))
         stop = detokenizer.update(new_token_ids, stop_terminated)
         if stop is None and request.is_finished():
             detokenizer.flush()

@@ -93,6 +93,9 @@ class ModelInfo:
         num_blocks: blocks in the KV cache pool.
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: most tokens computed in one step.
+        grammar_compiler: compiles ``structured_outputs`` (thread-safe, cached; None without
+            a tokenizer). Shared like the tokenizer: the server compiles in a worker thread
+            so that the engine thread finds the grammar in the cache.
     """
 
     model: Optional[str]
@@ -104,3 +107,4 @@ class ModelInfo:
     num_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    grammar_compiler: Any = None

@@ -4,7 +4,9 @@ One step's rows go through, as tensor ops over ``[rows, vocab]``:
 
 1. raw logprobs (``log_softmax`` of the model's logits) for ``logprobs`` and
    ``cumulative_logprob``: vLLM's default ``logprobs_mode="raw_logprobs"``;
-2. token masks: ``allowed_token_ids``, ``bad_words``, EOS/stop tokens before ``min_tokens``;
+2. token masks: ``structured_outputs`` (every constrained row's grammar bitmask in one masked
+   fill, ``structured_output.apply_token_bitmask``), ``allowed_token_ids``, ``bad_words``,
+   EOS/stop tokens before ``min_tokens``;
 3. ``logit_bias``;
 4. repetition, frequency and presence penalties (``vllm/model_executor/layers/utils.py``
    ``apply_penalties``);
@@ -28,6 +30,7 @@ import torch
 
 from pagedllm.core.request import Request
 from pagedllm.layers.ops import native_ops
+from pagedllm.structured_output import allocate_bitmask, apply_token_bitmask, fill_bitmasks
 
 # Floor of reported logprobs: a finite number JSON can carry (OpenAI's convention for -inf).
 LOGPROB_FLOOR = -9999.0
@@ -56,6 +59,8 @@ class SamplingMetadata:
             of rows that restrict; or None.
         logit_bias: ``(row_index, token_index, bias)``, or None.
         max_num_logprobs: largest ``logprobs`` k of the rows, None when no row asks.
+        grammar_bitmask: ``(rows [n] int64, bitmask [n, ceil(vocab / 32)] int32)``: the next
+            tokens each constrained row's ``structured_outputs`` state allows, or None.
     """
 
     temperature: torch.Tensor
@@ -74,6 +79,7 @@ class SamplingMetadata:
     allowed: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
     logit_bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
     max_num_logprobs: Optional[int] = None
+    grammar_bitmask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @classmethod
     def build(cls, requests: Sequence[Request], vocab_size: int) -> "SamplingMetadata":
@@ -145,6 +151,11 @@ class SamplingMetadata:
         if bias_rows:
             meta.logit_bias = (torch.tensor(bias_rows), torch.tensor(bias_tokens),
                                torch.tensor(bias_values, dtype=torch.float32))
+        constrained = [row for row, request in enumerate(requests) if request.grammar is not None]
+        if constrained:
+            bitmask = allocate_bitmask(len(constrained), vocab_size)
+            fill_bitmasks([requests[row].grammar for row in constrained], bitmask)
+            meta.grammar_bitmask = (torch.tensor(constrained), bitmask)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         meta.max_num_logprobs = max(wanted) if wanted else None
         return meta
@@ -318,8 +329,11 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     EOS before ``min_tokens``) keeps its unmasked logits rather than turning into NaN.
     """
     processed = logits
-    if meta.allowed is not None or meta.banned is not None or meta.logit_bias is not None:
+    if (meta.allowed is not None or meta.banned is not None or meta.logit_bias is not None
+            or meta.grammar_bitmask is not None):
         processed = logits.clone()
+    if meta.grammar_bitmask is not None:
+        apply_token_bitmask(processed, *meta.grammar_bitmask)
     if meta.allowed is not None:
         rows, tokens, restricts = meta.allowed
         keep = ~restricts.unsqueeze(1).expand_as(processed).clone()
@@ -334,7 +348,7 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         processed = apply_penalties(processed, meta.prompt_token_ids, meta.output_token_ids,
                                     meta.presence_penalties, meta.frequency_penalties,
                                     meta.repetition_penalties)
-    if meta.allowed is not None or meta.banned is not None:
+    if meta.allowed is not None or meta.banned is not None or meta.grammar_bitmask is not None:
         dead = torch.isneginf(processed).all(dim=-1)
         if dead.any():
             processed[dead] = logits[dead]

@@ -3,6 +3,9 @@
 Field names and defaults follow the OpenAI API reference (completions, chat completions) plus
 the non-OpenAI sampling fields vLLM accepts in the body (``vllm/entrypoints/openai/protocol.py``):
 top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, cache_salt, ...
+Structured outputs come as OpenAI's ``response_format`` (``json_object``, ``json_schema``) or
+vLLM's ``structured_outputs`` object and its older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` fields; one of these per request.
 Unknown fields are accepted and ignored, as vLLM does. Ranges are checked once, by
 ``SamplingParams``, whose ``ValueError`` names the field, the limit and the value.
 
@@ -18,7 +21,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, model_validator
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 Int = StrictInt
@@ -65,6 +68,12 @@ class _SamplingFields(OpenAIBaseModel):
     bad_words: Optional[list[str]] = None
     prompt_logprobs: Optional[Int] = None
     cache_salt: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int]) -> SamplingParams:
@@ -84,7 +93,61 @@ class _SamplingFields(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, **optional)
+            logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=self.structured_outputs_params(), **optional)
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The request's constraint from whichever of its fields carries one (None: no field).
+
+        Raises:
+            ValueError: several fields given, or one malformed; the message starts with the
+                field's name (which the 400 reports as ``param``).
+        """
+        given: list[tuple[str, dict[str, Any]]] = []
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        guided = {kind: getattr(self, "guided_" + kind) for kind in ("json", "regex", "choice", "grammar")
+                  if getattr(self, "guided_" + kind) is not None}
+        if guided:
+            given.append(("guided_" + next(iter(guided)), guided))
+        response_format = self.response_format_params()
+        if response_format is not None:
+            given.append(("response_format", response_format))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"{given[1][0]} conflicts with {given[0][0]}: give one structured output "
+                             "constraint per request")
+        name, fields = given[0]
+        try:
+            if name == "structured_outputs":
+                return SamplingParams(structured_outputs=fields).structured_outputs
+            return StructuredOutputsParams(**fields)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+
+    def response_format_params(self) -> Optional[dict[str, Any]]:
+        """OpenAI's ``response_format`` as ``StructuredOutputsParams`` fields, None for
+        ``{"type": "text"}`` or no field.
+
+        Raises:
+            ValueError: another type, or a ``json_schema`` without a ``schema`` object.
+        """
+        response_format = self.response_format
+        if response_format is None:
+            return None
+        kind = response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"json_object": True}
+        if kind == "json_schema":
+            json_schema = response_format.get("json_schema")
+            if not isinstance(json_schema, dict) or not isinstance(json_schema.get("schema"), dict):
+                raise ValueError("response_format of type 'json_schema' needs json_schema.schema, a JSON "
+                                 f"schema object; got json_schema={json_schema!r}")
+            return {"json": json_schema["schema"]}
+        raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
     @property
     def include_usage(self) -> bool:
@@ -111,11 +174,13 @@ class TextContentPart(OpenAIBaseModel):
 
 class ChatMessage(OpenAIBaseModel):
     """One chat message. As OpenAI's API: the roles below only, and ``content`` required except
-    for an assistant message (which may carry only a name or, in OpenAI's API, tool calls)."""
+    for an assistant message (which may carry only a name or tool calls)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
 
     @model_validator(mode="after")
     def _content_required(self) -> "ChatMessage":
@@ -129,8 +194,9 @@ class ChatMessage(OpenAIBaseModel):
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
         return message
 
 
@@ -144,7 +210,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: Bool = False
     top_logprobs: Optional[Int] = None
     tools: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
     # vLLM extensions
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False

@@ -13,7 +13,10 @@ from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError
                                                         close_all, collect_final, merge_streams, now_seconds,
                                                         random_id, run_until_disconnect,
                                                         sampling_params_error, sse, sse_with_errors, usage)
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.entrypoints.openai.tool_calls import (ToolCall, check_tools, constraint_schema, held_back, parse_auto,
+                                                    parse_forced, template_messages_arguments)
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.utils import check_utf8
 
 
@@ -23,8 +26,10 @@ class OpenAIServingChat(OpenAIServing):
     ``n`` choices."""
 
     def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> tuple[str, list[int]]:
-        """The conversation as template text and its token ids.
+               continue_final_message: bool = False,
+               tools: Optional[list[dict]] = None) -> tuple[str, list[int]]:
+        """The conversation as template text and its token ids; ``tools`` go to templates that
+        take them (Qwen2.5's lists them in its system prompt; others ignore them).
 
         Raises:
             OpenAIError 400: no tokenizer or chat template, or the template refused the messages.
@@ -35,12 +40,15 @@ class OpenAIServingChat(OpenAIServing):
         template_messages = [m.as_template_message() for m in messages]
         for i, message in enumerate(template_messages):
             for key, value in message.items():
+                if not isinstance(value, str):
+                    continue
                 try:
                     check_utf8(value, f"messages[{i}].{key}")
                 except ValueError as exc:
                     raise OpenAIError(400, str(exc), param=f"messages.{i}.{key}") from exc
+        template_messages = [template_messages_arguments(m) for m in template_messages]
         try:
-            text = tokenizer.apply_chat_template(template_messages, tokenize=False,
+            text = tokenizer.apply_chat_template(template_messages, tokenize=False, tools=tools,
                                                  add_generation_prompt=add_generation_prompt,
                                                  continue_final_message=continue_final_message)
         except Exception as exc:  # noqa: BLE001 - jinja raises anything; it is the input's fault
@@ -51,15 +59,15 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         """Raises: OpenAIError (400 bad field or prompt, 404 model, 429, 503, 504)."""
         self.check_request(request)
-        if request.tools:
-            raise OpenAIError(400, "tools are not supported", param="tools")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise OpenAIError(400, f"response_format {request.response_format.get('type')!r} is not "
-                                   "supported (only 'text')", param="response_format")
+        try:
+            mode, named = check_tools(request.tools, request.tool_choice)
+        except ValueError as exc:
+            raise sampling_params_error(exc) from exc
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         text, token_ids = self.render(request.messages, request.add_generation_prompt,
-                                      request.continue_final_message)
+                                      request.continue_final_message,
+                                      request.tools if mode != "none" else None)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -70,36 +78,69 @@ class OpenAIServingChat(OpenAIServing):
             if error.param == "logprobs":  # chat's top_logprobs is SamplingParams.logprobs
                 error = OpenAIError(400, "top_" + str(exc), param="top_logprobs")
             raise error from exc
+        schema = constraint_schema(request.tools, mode, named)
+        if schema is not None:
+            if params.structured_outputs is not None:
+                raise OpenAIError(400, f"tool_choice {request.tool_choice!r} constrains the reply already: "
+                                       "drop response_format / structured_outputs", param="tool_choice")
+            # Compact: arguments are for programs, and free whitespace lets a weak model
+            # spend max_tokens on it.
+            params.structured_outputs = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
         request_id = random_id("chatcmpl")
         created = now_seconds()
         prompt = {"prompt_token_ids": token_ids, "prompt": text}
         streams = await self.add_requests(request_id, [prompt], params, request.cache_salt)
         if request.stream:
-            chunks = self._stream(request, request_id, created, streams[0])
+            chunks = self._stream(request, request_id, created, streams[0], mode, named)
             return SSEResponse(sse_with_errors(chunks), close_all(streams))
 
         async def respond() -> Response:
             (final,) = await collect_final(streams)
-            return JSONResponse(self._response(request, request_id, created, final))
+            return JSONResponse(self._response(request, request_id, created, final, mode, named))
         return await run_until_disconnect(raw_request, respond)
 
+    @staticmethod
+    def _tool_calls(completion: CompletionOutput, mode: str, named: Optional[dict]) -> tuple[Any, list, Any]:
+        """``(content, tool calls, finish_reason)`` of a finished choice. As OpenAI and vLLM:
+        ``"tool_calls"`` when the model chose to call (auto, required), ``"stop"`` for a named
+        function; a reply cut by ``max_tokens`` that does not parse stays text."""
+        if mode == "none":
+            return completion.text, [], completion.finish_reason
+        if mode == "auto":
+            content, calls = parse_auto(completion.text)
+        else:
+            calls = parse_forced(completion.text, mode, named)
+            content = None if calls else completion.text
+        finish_reason = completion.finish_reason
+        if calls and mode != "named" and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return content, calls, finish_reason
+
     def _response(self, request: ChatCompletionRequest, request_id: str, created: int,
-                  final: RequestOutput) -> dict:
+                  final: RequestOutput, mode: str, named: Optional[dict]) -> dict:
         choices = []
         for completion in final.outputs:
             logprobs = None
             if request.logprobs:
                 logprobs = {"content": self._logprobs(completion.token_ids, completion.logprobs or [],
                                                       request.top_logprobs or 0)}
-            choices.append({"index": completion.index,
-                            "message": {"role": "assistant", "content": completion.text},
-                            "logprobs": logprobs, "finish_reason": completion.finish_reason,
+            content, calls, finish_reason = self._tool_calls(completion, mode, named)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call.as_openai() for call in calls]
+            choices.append({"index": completion.index, "message": message,
+                            "logprobs": logprobs, "finish_reason": finish_reason,
                             "stop_reason": completion.stop_reason})
         return {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": usage([final])}
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
-                      stream: RequestStream) -> AsyncIterator[str]:
+                      stream: RequestStream, mode: str = "none",
+                      named: Optional[dict] = None) -> AsyncIterator[str]:
+        """Chunks as OpenAI streams them. With tools: a named function's arguments stream as
+        ``delta.tool_calls[0].function.arguments`` pieces (the first delta carries id, type
+        and name); ``auto`` streams content until a ``<tool_call>`` begins, ``required``
+        nothing, and both send each parsed call as one delta when the choice ends."""
         def chunk(index: int, delta: dict, logprobs: Optional[dict] = None, finish_reason: Optional[str] = None,
                   stop_reason: Any = None) -> str:
             body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
@@ -120,6 +161,10 @@ class OpenAIServingChat(OpenAIServing):
                 state = states[completion.index]
                 if state.finished:
                     continue
+                if mode != "none":
+                    for event in self._stream_tools(state, completion, mode, named, chunk):
+                        yield event
+                    continue
                 text = completion.text[state.num_sent_chars:]
                 token_logprobs = (completion.logprobs or [])[state.num_sent_tokens:]
                 if text or (request.logprobs and token_logprobs):
@@ -136,6 +181,41 @@ class OpenAIServingChat(OpenAIServing):
         if request.include_usage:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
                        "model": self.model_name, "choices": [], "usage": usage([final])})
+
+    def _stream_tools(self, state: ChoiceState, completion: CompletionOutput, mode: str,
+                      named: Optional[dict], chunk: Any) -> list[str]:
+        """The chunks of one choice's new output under ``tools`` (see ``_stream``)."""
+        events = []
+        text = completion.text
+        if mode == "named":
+            if not state.started and text:
+                call = ToolCall(named["name"], "").as_openai(index=0)
+                events.append(chunk(state.index, {"tool_calls": [call]}))
+                state.started = True
+            if text[state.num_sent_chars:]:
+                events.append(chunk(state.index, {"tool_calls": [
+                    {"index": 0, "function": {"arguments": text[state.num_sent_chars:]}}]}))
+            state.num_sent_chars = len(text)
+        elif mode == "auto" and not state.started:
+            # Content streams until a tool call may begin; from there the choice is held.
+            start = text.find("<tool_call>")
+            end = start if start >= 0 else len(text) - held_back(text)
+            if end > state.num_sent_chars:
+                events.append(chunk(state.index, {"content": text[state.num_sent_chars:end]}))
+                state.num_sent_chars = end
+            state.started = start >= 0
+        if completion.finish_reason is None:
+            return events
+        state.finished = True
+        content, calls, finish_reason = self._tool_calls(completion, mode, named)
+        if mode != "named":
+            if calls:
+                events.extend(chunk(state.index, {"tool_calls": [call.as_openai(index)]})
+                              for index, call in enumerate(calls))
+            elif text[state.num_sent_chars:]:
+                events.append(chunk(state.index, {"content": text[state.num_sent_chars:]}))
+        events.append(chunk(state.index, {}, None, finish_reason, completion.stop_reason))
+        return events
 
     def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]],
                   top_logprobs: int) -> list[dict]:

@@ -1,0 +1,149 @@
+"""OpenAI ``tools`` / ``tool_choice`` on chat completions (vLLM ``serving_chat.py`` and its
+Hermes tool parser, ``vllm/entrypoints/openai/tool_parsers/hermes_tool_parser.py``).
+
+- ``tool_choice="required"`` or a named function: the reply is constrained by a JSON schema
+  built from the tools' ``parameters`` (a named function: its arguments object; required: a
+  non-empty array of ``{"name", "parameters"}``, vLLM's ``_get_json_schema_from_tool``), so
+  the calls always parse.
+- ``"auto"``: the model decides; its ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+  blocks (the format of Qwen2.5's and Hermes' chat templates) become ``tool_calls``.
+- ``"none"``: plain text, and the template does not see the tools.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+TOOL_CALL_START = "<tool_call>"
+
+
+@dataclass
+class ToolCall:
+    """One call: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+    def as_openai(self, index: Optional[int] = None) -> dict:
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            call["index"] = index
+        return call
+
+
+def check_tools(tools: Optional[list[Any]], tool_choice: Any) -> tuple[str, Optional[dict]]:
+    """``(mode, named function or None)``, mode one of ``none``, ``auto``, ``required``,
+    ``named``; OpenAI's default is ``auto`` with tools, ``none`` without.
+
+    Raises:
+        ValueError: a malformed tool or ``tool_choice``, a named function not among the tools,
+            or a ``tool_choice`` other than ``none`` without tools; the message starts with the
+            field's name.
+    """
+    functions = {}
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str):
+            raise ValueError(f"tools entry {i} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                             f"\"parameters\": ...}}}}, got {tool!r}")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise ValueError(f"tools entry {i}: parameters must be a JSON schema object")
+        functions[function["name"]] = function
+    if tool_choice is None:
+        return ("auto" if functions else "none"), None
+    if tool_choice == "none":
+        return "none", None
+    if not functions:
+        raise ValueError(f"tool_choice {tool_choice!r} needs tools")
+    if tool_choice in ("auto", "required"):
+        return tool_choice, None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise ValueError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                         f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}")
+    if name not in functions:
+        raise ValueError(f"tool_choice names function {name!r}, which is not among the tools {sorted(functions)}")
+    return "named", functions[name]
+
+
+def constraint_schema(tools: list[dict], mode: str, named: Optional[dict]) -> Optional[dict]:
+    """The JSON schema that forces the reply into tool calls (None for ``auto``/``none``)."""
+    if mode == "named":
+        return named.get("parameters") or {"type": "object"}
+    if mode != "required":
+        return None
+    variants = [{"type": "object", "required": ["name", "parameters"], "additionalProperties": False,
+                 "properties": {"name": {"enum": [t["function"]["name"]]},
+                                "parameters": t["function"].get("parameters") or {"type": "object"}}}
+                for t in tools]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+
+
+def parse_forced(text: str, mode: str, named: Optional[dict]) -> list[ToolCall]:
+    """The calls of a reply generated under ``constraint_schema`` (empty if it was cut short
+    by ``max_tokens`` and does not parse)."""
+    if mode == "named":
+        try:
+            json.loads(text)
+        except ValueError:
+            return []
+        return [ToolCall(named["name"], text)]
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return []
+    return [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in calls]
+
+
+def parse_auto(text: str) -> tuple[Optional[str], list[ToolCall]]:
+    """``(content, calls)`` of a free reply: the text before the first ``<tool_call>`` (None
+    when empty) and each well-formed ``<tool_call>`` block. Without one, the text is content."""
+    if TOOL_CALL_START not in text:
+        return text, []
+    calls = []
+    for block in TOOL_CALL_RE.findall(text):
+        try:
+            call = json.loads(block)
+            calls.append(ToolCall(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
+        except (ValueError, KeyError, TypeError):
+            continue
+    if not calls:
+        return text, []
+    content = text[:text.index(TOOL_CALL_START)].strip()
+    return content or None, calls
+
+
+def held_back(text: str) -> int:
+    """How many trailing characters of streamed ``text`` might begin ``<tool_call>`` and must
+    wait for the next delta."""
+    for size in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1):
+        if TOOL_CALL_START.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def template_messages_arguments(message: dict) -> dict:
+    """An assistant message's ``tool_calls`` with ``arguments`` as objects, which chat
+    templates (Qwen2.5's) serialize with ``tojson`` (vLLM does the same)."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        call = json.loads(json.dumps(call))
+        function = call.get("function", {})
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except ValueError:
+                pass
+        calls.append(call)
+    return {**message, "tool_calls": calls} if calls else message
