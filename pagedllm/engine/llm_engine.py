@@ -19,7 +19,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.layers.quantization import weight_bytes
-from pagedllm.models.loader import (build_model, load_checkpoint, load_prequantized_int4, load_tokenizer,
+from pagedllm.models.loader import (build_model, load_checkpoint, load_prequantized, load_tokenizer,
                                     resolve_model_path)
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
@@ -69,9 +69,8 @@ class LLMEngine:
             path = resolve_model_path(engine_args.model)
             start = time.perf_counter()
             config, state_dict = load_checkpoint(path)
-            prequantized = load_prequantized_int4(path) if engine_args.quantization == "int4" else None
-            model = build_model(config, state_dict, engine_args.torch_dtype, engine_args.quantization,
-                                prequantized)
+            quantization, prequantized = load_prequantized(path, engine_args.quantization)
+            model = build_model(config, state_dict, engine_args.torch_dtype, quantization, prequantized)
             del state_dict, prequantized
             tokenizer = load_tokenizer(path)
             logger.info("loaded %s in %.1f s", path, time.perf_counter() - start)
