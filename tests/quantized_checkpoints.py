@@ -43,25 +43,23 @@ def _to_int32(values: torch.Tensor) -> torch.Tensor:
 
 def round_to_nearest(weight: torch.Tensor, bits: int, g_idx: torch.Tensor, sym: bool):
     """Codes ``q`` ``[N, K]`` in ``[0, 2^bits)``, zeros ``z`` and fp16 scales ``s`` ``[N, groups]``
-    of min/max round-to-nearest over the groups ``g_idx`` (``[K]``) gives each input feature
-    (GPTQ's ``Quantizer``: ``sym`` puts the zero at ``2^(bits-1)``)."""
+    of min/max round-to-nearest over the groups ``g_idx`` (``[K]``, equal-sized) gives each
+    input feature (GPTQ's ``Quantizer``: ``sym`` puts the zero at ``2^(bits-1)``)."""
     maxq = 2 ** bits - 1
-    n, groups = weight.shape[0], int(g_idx.max()) + 1
-    q = torch.empty(weight.shape, dtype=torch.int64)
-    z = torch.empty(n, groups, dtype=torch.int64)
-    s = torch.empty(n, groups, dtype=torch.float16)
-    for g in range(groups):
-        cols = weight[:, g_idx == g]
-        lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
-        if sym:
-            hi = torch.maximum(lo.abs(), hi)
-            scale = (2 * hi / maxq).clamp(min=1e-5).half()
-            zero = torch.full((n,), (maxq + 1) // 2, dtype=torch.int64)
-        else:
-            scale = ((hi - lo) / maxq).clamp(min=1e-5).half()
-            zero = torch.round(-lo / scale.float()).long().clamp(0, maxq)
-        s[:, g], z[:, g] = scale, zero
-        q[:, g_idx == g] = (torch.round(cols / scale.float()[:, None]).long() + zero[:, None]).clamp(0, maxq)
+    n, k = weight.shape
+    order = torch.argsort(g_idx, stable=True)
+    groups = weight[:, order].view(n, int(g_idx.max()) + 1, -1)
+    lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    if sym:
+        hi = torch.maximum(lo.abs(), hi)
+        s = (2 * hi / maxq).clamp(min=1e-5).half()
+        z = torch.full(s.shape, (maxq + 1) // 2, dtype=torch.int64)
+    else:
+        s = ((hi - lo) / maxq).clamp(min=1e-5).half()
+        z = torch.round(-lo / s.float()).long().clamp(0, maxq)
+    codes = (torch.round(groups / s.float()[..., None]).long() + z[..., None]).clamp(0, maxq).view(n, k)
+    q = torch.empty_like(codes)
+    q[:, order] = codes
     return q, z, s
 
 

@@ -166,3 +166,49 @@ def test_quantization_flag_accepts_the_checkpoint_methods():
 
     args = build_parser().parse_args(["serve", "some/folder", "--quantization", "compressed-tensors"])
     assert EngineArgs.from_cli_args(args).quantization == "compressed-tensors"
+
+
+SMOLLM2_FORMATS = {
+    # SmolLM2's hidden size 576 is 9 groups of 64, not of 128.
+    "awq-g64": dict(method="awq", group_size=64),
+    "gptq4-v1-act-order-g64": dict(method="gptq", bits=4, sym=True, v1=True, desc_act=True, group_size=64),
+    "ct-w4a16-g64": dict(method="compressed-tensors", fmt="pack-quantized", sym=True, group_size=64),
+    "ct-w8a8": dict(method="compressed-tensors", fmt="int-quantized", sym=True),
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2_source():
+    from pagedllm.models.loader import model_folder, resolve_model_path
+
+    folder = model_folder(resolve_model_path(None))
+    config, state_dict = load_checkpoint(folder)
+    return folder, config, state_dict
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SMOLLM2_FORMATS)
+def test_smollm2_greedy_output_equals_transformers_on_the_dequantized_weights(tmp_path, smollm2_source, name):
+    """``LLM(model=folder)`` detects the method; its greedy tokens equal transformers fp32 given
+    the format library's dequantized weights, token for token."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    from tests.test_parity import hf_greedy
+
+    source, config, state_dict = smollm2_source
+    reference = write_checkpoint(tmp_path, config, state_dict, tokenizer_folder=source, **SMOLLM2_FORMATS[name])
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory_bytes=64 * 2**20, max_model_len=512)
+    assert llm.llm_engine.model.quantization == SMOLLM2_FORMATS[name]["method"]
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):",
+                                             "The old lighthouse keeper climbed the spiral stairs every evening,")]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+    hf = LlamaForCausalLM(HFLlamaConfig(**json.loads((tmp_path / "config.json").read_text()) | {
+        "quantization_config": None})).eval()
+    hf.load_state_dict({k: v for k, v in reference.items()}, strict=False)
+    hf.tie_weights()
+    assert torch.equal(hf.lm_head.weight, reference["model.embed_tokens.weight"])
+    for prompt, output in zip(prompts, outputs):
+        assert list(output.outputs[0].token_ids) == hf_greedy(hf, prompt, 16), name
