@@ -30,7 +30,7 @@ _DTYPES = {
 _KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 # quantization values besides None (weights in the compute dtype).
-_QUANTIZATIONS = ("int8", "int4")
+_QUANTIZATIONS = ("int8", "int4", "awq", "gptq", "compressed-tensors")
 
 # vLLM options that pagedllm accepts because they change nothing here.
 _NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "tokenizer_mode"}
@@ -91,7 +91,10 @@ class EngineArgs:
     quantization: Optional[str] = _option(
         None, "weight-only quantization of the linear layers: int8 (per channel) or int4 (groups of "
               "32, asymmetric; GGUF Q4_1/Q4_K tensors are used as they are), see "
-              "pagedllm/layers/quantization.py; default: none (weights in --dtype)",
+              "pagedllm/layers/quantization.py. awq, gptq, compressed-tensors: a Hugging Face "
+              "folder quantized by AutoAWQ / GPTQModel / llm-compressor, loaded as it is "
+              "(detected from its config.json without the option; the option must match). "
+              "Default: none (weights in --dtype)",
         choices=_QUANTIZATIONS)
     kv_cache_dtype: str = _option(
         "auto", "KV cache dtype: auto (the compute dtype), bfloat16 or float32. A bfloat16 cache "

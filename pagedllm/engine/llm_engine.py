@@ -18,8 +18,8 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
-from pagedllm.layers.quantization import weight_bytes
-from pagedllm.models.loader import (build_model, load_checkpoint, load_prequantized_int4, load_tokenizer,
+from pagedllm.layers.quantization import CHECKPOINT_QUANTIZATION_METHODS, weight_bytes
+from pagedllm.models.loader import (build_model, load_checkpoint, load_prequantized, load_tokenizer,
                                     resolve_model_path)
 from pagedllm.distributed.parallel_state import TensorParallelError
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
@@ -87,19 +87,24 @@ class LLMEngine:
         if model is None:
             start = time.perf_counter()
             prequantized = None
+            quantization = engine_args.quantization
             if checkpoint is None:
                 path = resolve_model_path(engine_args.model)
                 config, state_dict = load_checkpoint(path)
-                prequantized = load_prequantized_int4(path) if engine_args.quantization == "int4" else None
+                quantization, prequantized = load_prequantized(path, engine_args.quantization)
                 tokenizer = load_tokenizer(path)
             else:
                 config, state_dict = checkpoint
+            if tp_size > 1 and quantization in CHECKPOINT_QUANTIZATION_METHODS:
+                # models/sharding.py slices GGUF int4 codes; act-order and zero-point layouts not yet.
+                raise ValueError(f"tensor_parallel_size={tp_size} is not supported for {quantization!r} "
+                                 "checkpoints yet; use tensor_parallel_size=1")
             shard = TensorParallelShard(0, tp_size)
-            shard.check(config, engine_args.quantization)  # before any process starts
+            shard.check(config, quantization)  # before any process starts
             if tp_size > 1:
                 self._tp_workers = TensorParallelWorkers(engine_args, checkpoint)
             try:
-                model = build_model(config, state_dict, engine_args.torch_dtype, engine_args.quantization,
+                model = build_model(config, state_dict, engine_args.torch_dtype, quantization,
                                     prequantized, shard)
             except BaseException:
                 self.shutdown()

@@ -34,7 +34,10 @@ from torch import nn
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.ops import native_ops
 
-QUANTIZATION_METHODS = ("int8", "int4")
+# pagedllm quantizes the float weights itself (int8, int4) or loads a checkpoint's own integer
+# weights (vLLM's names for the formats; models/quantized_checkpoint.py reads them).
+CHECKPOINT_QUANTIZATION_METHODS = ("awq", "gptq", "compressed-tensors")
+QUANTIZATION_METHODS = ("int8", "int4") + CHECKPOINT_QUANTIZATION_METHODS
 INT4_GROUP_SIZE = 32
 # Rows of x up to which the quantized kernels beat dequantize-then-matmul (bench/quant_matmul.py).
 KERNEL_MAX_ROWS = 64
@@ -47,11 +50,15 @@ class Int4Weight:
     Attributes:
         codes: ``[N, K]`` uint8 in ``[0, 15]``.
         scales, mins: ``[N, K // 32]`` fp32; ``W = scales * codes + mins`` per group.
+        input_order: None, or ``[K]`` int64: column ``k`` here is input feature
+            ``input_order[k]`` (a GPTQ act-order checkpoint, whose groups are not runs of
+            consecutive features until its columns are sorted by group).
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor
+    input_order: Optional[torch.Tensor] = None
 
     def dequantize(self) -> torch.Tensor:
         """The ``[N, K]`` fp32 weight, ``scales * codes + mins`` (same op order as ``gguf``)."""
@@ -61,14 +68,50 @@ class Int4Weight:
 
     @staticmethod
     def cat(parts: list["Int4Weight"]) -> "Int4Weight":
-        """Stack along output channels (fused Q/K/V or gate/up)."""
+        """Stack along output channels (fused Q/K/V or gate/up).
+
+        Raises:
+            ValueError: the parts order their input features differently.
+        """
         return Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                          torch.cat([p.mins for p in parts]))
+                          torch.cat([p.mins for p in parts]), _common_input_order(parts))
 
     def permute_rows(self, index: np.ndarray) -> "Int4Weight":
         """Reorder output channels (groups run along input features, so rows move whole)."""
         index = torch.as_tensor(index)
-        return Int4Weight(self.codes[index], self.scales[index], self.mins[index])
+        return Int4Weight(self.codes[index], self.scales[index], self.mins[index], self.input_order)
+
+
+@dataclass
+class Int8Weight:
+    """An int8 weight read from a checkpoint: ``W = scales * codes``.
+
+    Attributes:
+        codes: ``[N, K]`` int8 (the full ``[-128, 127]``; pagedllm's own stop at -127).
+        scales: ``[N]`` fp32 per output channel, or ``[N, K // 32]`` per 32-weight group.
+        input_order: as ``Int4Weight.input_order``.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    input_order: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def cat(parts: list["Int8Weight"]) -> "Int8Weight":
+        """Stack along output channels (fused Q/K/V or gate/up); see ``Int4Weight.cat``."""
+        return Int8Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                          _common_input_order(parts))
+
+
+def _common_input_order(parts: list) -> Optional[torch.Tensor]:
+    order = parts[0].input_order
+    for part in parts[1:]:
+        if (order is None) != (part.input_order is None) or (order is not None and
+                                                            not torch.equal(order, part.input_order)):
+            raise ValueError("layers fused into one projection (q/k/v or gate/up) order their input "
+                             "features differently (act-order g_idx); pagedllm needs one order per "
+                             "fused projection")
+    return order
 
 
 def quantize_int8(weight: torch.Tensor, grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +206,10 @@ class _QuantizedLinear(nn.Module):
     for larger ones.
 
     ``forward(x, out_dtype=None)`` takes ``x`` ``[M, K]`` (fp32 or bf16) and returns ``[M, N]``
-    in ``out_dtype`` (default: ``x``'s dtype). Up to ``KERNEL_MAX_ROWS`` rows the product is
+    in ``out_dtype`` (default: ``x``'s dtype). With an ``input_order`` (``[K]`` int64, a GPTQ
+    act-order checkpoint) the weight's columns are stored sorted by group, and ``x``'s columns
+    are gathered into that order first; ``decode_layers`` does not gather, so such a model
+    runs its Python layers (``quantize_model`` turns ``fused_decode`` off). Up to ``KERNEL_MAX_ROWS`` rows the product is
     computed in fp32 from the exact stored weights whatever ``x``'s dtype, by the kernel or,
     without the C++ ops, by the same fp32 formulation in torch, so both paths agree to fp32
     summation order in every compute dtype. Larger batches multiply in ``x``'s dtype (a bf16
@@ -173,8 +219,9 @@ class _QuantizedLinear(nn.Module):
     _op: str
     _weight_names: tuple[str, ...]
 
-    def _set_bias(self, bias: Optional[torch.Tensor]) -> None:
+    def _set_bias(self, bias: Optional[torch.Tensor], input_order: Optional[torch.Tensor] = None) -> None:
         self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.register_buffer("input_order", None if input_order is None else input_order.long().contiguous())
 
     def kernel_args(self) -> list[torch.Tensor]:
         """The tensors the C++ ``decode_layers`` op takes for this layer: its weights (+ ``bias``)."""
@@ -182,6 +229,8 @@ class _QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         out_dtype = x.dtype if out_dtype is None else out_dtype
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         if _kernel_rows(x, self.in_features):
             ops = native_ops()
             if ops is not None:
@@ -203,12 +252,13 @@ class Int8Linear(_QuantizedLinear):
 
     _op, _weight_names = "int8_linear", ("codes", "scales")
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor],
+                 input_order: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", scales.float().contiguous())
-        self._set_bias(bias)
+        self._set_bias(bias, input_order)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], grouped: bool = False) -> "Int8Linear":
@@ -248,7 +298,7 @@ class Int4Linear(_QuantizedLinear):
         self.register_buffer("packed", (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous())
         self.register_buffer("scales", weight.scales.float().contiguous())
         self.register_buffer("mins", weight.mins.float().contiguous())
-        self._set_bias(bias)
+        self._set_bias(bias, weight.input_order)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "Int4Linear":
@@ -283,38 +333,58 @@ def _kernel_rows(x: torch.Tensor, in_features: int) -> bool:
     return x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS and in_features % INT4_GROUP_SIZE == 0
 
 
-def quantize_model(model: nn.Module, prequantized: Optional[dict[str, Int4Weight]] = None) -> None:
+def quantize_model(model: nn.Module, prequantized: Optional[dict[str, "Int4Weight | Int8Weight"]] = None) -> None:
     """Replace every linear layer of the decoder layers by its quantized form, in place, by the
     method the model was built with (``model.quantization``).
 
-    The token embedding and the LM head become int8 with a scale per 32-weight group (one
-    copy when tied): at one decode token the fp32 head was as many bytes as all the decoder
-    layers in int8. Per-channel int8 there was too coarse (the int4 SmolLM2 stopped answering
-    "What is the capital of France?" with Paris: its logits moved 2.7% against 0.3% from the
-    int4 layers alone); per group it is GGUF ``Q8_0``, the type SmolLM2's file stores its
-    embedding in, so that file's values are kept exactly.
+    ``int8`` / ``int4``: pagedllm quantizes the float weights. The token embedding and the LM
+    head become int8 with a scale per 32-weight group (one copy when tied): at one decode
+    token the fp32 head was as many bytes as all the decoder layers in int8. Per-channel int8
+    there was too coarse (the int4 SmolLM2 stopped answering "What is the capital of France?"
+    with Paris: its logits moved 2.7% against 0.3% from the int4 layers alone); per group it
+    is GGUF ``Q8_0``, the type SmolLM2's file stores its embedding in, so that file's values
+    are kept exactly.
+
+    ``awq`` / ``gptq`` / ``compressed-tensors``: the checkpoint's own integer weights
+    (``prequantized``, read by ``models/quantized_checkpoint.py``) replace the layers they
+    name; a projection the checkpoint left in float (its ignore list) stays float, and so do
+    the embedding and LM head, as those checkpoints store them.
 
     Args:
-        model: a ``LlamaForCausalLM`` (or subclass) with weights installed, built with
-            ``quantization="int8"`` or ``"int4"``.
-        prequantized: for ``int4``, GGUF 4-bit weights by Hugging Face name
-            (``model.layers.0.self_attn.q_proj.weight``); a fused layer uses them when every
-            part is there, else quantizes its float weight.
+        model: a ``LlamaForCausalLM`` (or subclass) with weights installed (for a checkpoint
+            method, the quantized projections' float weights may be meta placeholders).
+        prequantized: weights by Hugging Face name (``model.layers.0.self_attn.q_proj.weight``):
+            ``Int4Weight`` for ``int4`` (GGUF 4-bit; a fused layer uses them when every part is
+            there, else quantizes its float weight) and the checkpoint methods, ``Int8Weight``
+            for the 8-bit checkpoint methods.
 
     Raises:
-        ValueError: unknown ``method``, or a layer whose ``in_features`` does not split into
-            groups of 32 (``int4``).
+        ValueError: unknown ``method``, a layer whose ``in_features`` does not split into
+            groups of 32 (``int4``), or a fused projection that a checkpoint quantized only
+            in part or with different input orders.
     """
     method = model.quantization
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
     prequantized = prequantized or {}
-    model.unquantized_weight_bytes = weight_bytes(model)
+    from_checkpoint = method in CHECKPOINT_QUANTIZATION_METHODS
+    if not from_checkpoint:
+        model.unquantized_weight_bytes = weight_bytes(model)
 
     def convert(linear: Linear, hf_parts: list[str]) -> nn.Module:
+        parts = [prequantized.get(name) for name in hf_parts]
+        if from_checkpoint:
+            if all(p is None for p in parts):
+                return linear
+            if any(p is None for p in parts) or len({type(p) for p in parts}) > 1:
+                raise ValueError(f"{hf_parts} are fused into one projection, but the checkpoint "
+                                 "quantizes only some of them, or not all alike")
+            if isinstance(parts[0], Int8Weight):
+                weight = Int8Weight.cat(parts)
+                return Int8Linear(weight.codes, weight.scales, linear.bias, weight.input_order)
+            return Int4Linear(Int4Weight.cat(parts), linear.bias)
         if method == "int8":
             return Int8Linear.from_float(linear.weight, linear.bias)
-        parts = [prequantized.get(name) for name in hf_parts]
         if all(p is not None for p in parts):
             return Int4Linear(Int4Weight.cat(parts), linear.bias)
         return Int4Linear.from_float(linear.weight, linear.bias)
@@ -326,13 +396,23 @@ def quantize_model(model: nn.Module, prequantized: Optional[dict[str, Int4Weight
         attn.o_proj = convert(attn.o_proj, [p + "self_attn.o_proj.weight"])
         mlp.gate_up_proj = convert(mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
         mlp.down_proj = convert(mlp.down_proj, [p + "mlp.down_proj.weight"])
+    if model.fused_decode is not None:  # None: a family the C++ decode op does not run (Gemma 3)
+        model.fused_decode.invalidate()
+    if from_checkpoint:
+        quantized = [m for m in model.modules() if isinstance(m, _QuantizedLinear)]
+        # What the same layers would take as float weights in the compute dtype.
+        model.unquantized_weight_bytes = weight_bytes(model) + sum(
+            m.out_features * m.in_features * model.dtype.itemsize
+            - sum(t.numel() * t.element_size() for t in m.buffers() if t is not None and t is not m.bias)
+            for m in quantized)
+        if model.fused_decode is not None and any(m.input_order is not None for m in quantized):
+            model.fused_decode.enabled = False  # decode_layers has no input gather
+        return
     tied = model.embed_tokens.weight.untyped_storage().data_ptr() == model.lm_head.weight_t.untyped_storage().data_ptr()
     embedding = model.embed_tokens.weight
     model.lm_head = Int8Linear.from_float(model.lm_head.weight, model.lm_head.bias, grouped=True)
     table = model.lm_head if tied else Int8Linear.from_float(embedding, None, grouped=True)
     model.embed_tokens = Int8Embedding(table, model.dtype)
-    if model.fused_decode is not None:
-        model.fused_decode.invalidate()
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -18,9 +18,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pagedllm.layers.quantization import Int4Weight, int4_from_q4_1, int4_from_q4_k, quantize_model
+from pagedllm.layers.quantization import (CHECKPOINT_QUANTIZATION_METHODS, Int4Weight, Int8Weight, int4_from_q4_1,
+                                          int4_from_q4_k, quantize_model)
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
+from pagedllm.models.quantized_checkpoint import (checkpoint_quantization, pop_quantized_modules,
+                                                  read_quantized_weight, weight_shape)
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.sharding import TensorParallelShard
 from pagedllm.models.registry import NAMED_MODELS, resolve_named_model
@@ -183,8 +186,49 @@ def _remove_older_conversions(current: Path, file_name: str) -> None:
 
 
 def load_checkpoint(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Architecture and fp32 weights (Hugging Face names and layout) of the model at ``path``."""
+    """Architecture and fp32 weights (Hugging Face names and layout) of the model at ``path``.
+
+    For a checkpoint quantized by another tool (``quantization_config``), the quantized
+    layers' weights are meta-device placeholders of their ``[N, K]`` shape; their integer
+    weights come from ``load_prequantized``.
+    """
     return _load_hf_folder(model_folder(path))
+
+
+def load_prequantized(path: Path, quantization: Optional[str]) -> tuple[Optional[str], dict]:
+    """The quantization method to build the model at ``path`` with, and its pre-quantized
+    weights by Hugging Face name (for ``build_model``).
+
+    ``quantization`` is the option: None, ``int8``, ``int4`` (GGUF 4-bit tensors are taken as
+    they are, ``load_prequantized_int4``) or a checkpoint method (``awq``, ``gptq``,
+    ``compressed-tensors``). A folder whose ``config.json`` has a ``quantization_config``
+    is loaded by that method (vLLM's detection), its layers as ``Int4Weight``/``Int8Weight``.
+
+    Raises:
+        ValueError: ``quantization`` contradicts the folder (``int4`` on an AWQ folder, ``gptq``
+            on an unquantized one, ...), or the folder's quantization is not supported.
+    """
+    folder = model_folder(path)
+    config_file = folder / "config.json"
+    raw = json.loads(config_file.read_text()) if config_file.exists() else {}
+    if quantization in (None, *CHECKPOINT_QUANTIZATION_METHODS) or "quantization_config" in raw:
+        if quantization in ("int8", "int4"):
+            raise ValueError(f"quantization={quantization!r}: {folder} is already quantized "
+                             f"({raw['quantization_config'].get('quant_method')!r}); leave quantization unset")
+        quant = checkpoint_quantization(raw, quantization)
+        if quant is None:
+            return None, {}
+        from safetensors import safe_open
+
+        tensors = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                tensors.update({name: f.get_tensor(name) for name in f.keys() if not name.endswith((
+                    "embed_tokens.weight", "norm.weight", "lm_head.weight", ".bias"))})
+        modules = pop_quantized_modules(tensors, quant)
+        return quant.method, {f"{prefix}.weight": read_quantized_weight(parts, quant)
+                              for prefix, parts in modules.items()}
+    return quantization, load_prequantized_int4(path) if quantization == "int4" else {}
 
 
 def load_prequantized_int4(path: Path) -> dict[str, Int4Weight]:
@@ -208,17 +252,22 @@ def load_prequantized_int4(path: Path) -> dict[str, Int4Weight]:
 
 def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                 quantization: Optional[str] = None,
-                prequantized: Optional[dict[str, Int4Weight]] = None,
+                prequantized: Optional[dict[str, Int4Weight | Int8Weight]] = None,
                 tp: TensorParallelShard = TensorParallelShard()) -> LlamaForCausalLM:
     """Instantiate the model without random init (meta device), install the weights, and
-    quantize its linear layers when ``quantization`` is ``"int8"`` or ``"int4"`` (``int4``
-    takes ``prequantized`` GGUF 4-bit weights as they are; see ``quantize_model``). With ``tp``
-    the model is that rank's shard (``models/sharding.py``), prequantized weights included.
+    quantize its linear layers when ``quantization`` is set: ``int8``/``int4`` quantize them
+    (``int4`` takes ``prequantized`` GGUF 4-bit weights as they are), a checkpoint method
+    installs ``prequantized`` (``load_prequantized``); see ``quantize_model``. With ``tp`` the
+    model is that rank's shard (``models/sharding.py``), prequantized weights included.
 
     Raises:
-        ValueError: an architecture without a model class, a bad weight, or a configuration
-            that does not split over ``tp.size`` ranks.
+        ValueError: an architecture without a model class, a bad weight, placeholders of a
+            quantized checkpoint without its method, or a configuration that does not split
+            over ``tp.size`` ranks.
     """
+    if quantization not in CHECKPOINT_QUANTIZATION_METHODS and any(t.is_meta for t in state_dict.values()):
+        raise ValueError("the checkpoint's linear layers are quantized (quantization_config): build it with "
+                         "the method and weights load_prequantized returns")
     model_class = MODEL_CLASSES.get(config.architecture)
     if model_class is None:
         raise ValueError(f"architecture {config.architecture!r} is not supported "
@@ -356,6 +405,7 @@ def _load_hf_folder(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
     if raw.get("use_sliding_window"):
         raise ValueError(f"{path}: use_sliding_window=true is not supported (full attention only)")
+    quant = checkpoint_quantization(raw, None)
     defaults = getattr(MODEL_CLASSES[model_type], "hf_config_defaults", {})
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -363,6 +413,9 @@ def _load_hf_folder(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     state_dict: dict[str, torch.Tensor] = {}
     for file in files:
         state_dict.update(load_file(str(file)))
+    if quant is not None:
+        for prefix, parts in pop_quantized_modules(state_dict, quant).items():
+            state_dict[f"{prefix}.weight"] = torch.empty(weight_shape(parts, quant), device="meta")
     num_heads = raw["num_attention_heads"]
     rope_theta = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     eos = raw.get("eos_token_id")
