@@ -212,3 +212,14 @@ def test_smollm2_greedy_output_equals_transformers_on_the_dequantized_weights(tm
     assert torch.equal(hf.lm_head.weight, reference["model.embed_tokens.weight"])
     for prompt, output in zip(prompts, outputs):
         assert list(output.outputs[0].token_ids) == hf_greedy(hf, prompt, 16), name
+
+
+def test_tensor_parallelism_refuses_checkpoint_methods_by_name(tmp_path):
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    config = _config()
+    write_checkpoint(tmp_path / "awq", config, _state_dict(config), method="awq")
+    args = EngineArgs(model=str(tmp_path / "awq"), tensor_parallel_size=2, num_gpu_blocks_override=16)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for 'awq' checkpoints"):
+        LLMEngine(args)
