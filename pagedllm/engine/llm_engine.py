@@ -403,7 +403,8 @@ class LLMEngine:
                          vocab_size=self.model_config.vocab_size, eos_token_id=self.eos_token_id,
                          tokenizer=self.tokenizer, block_size=self.args.block_size,
                          num_blocks=self.num_blocks, max_num_seqs=self.args.max_num_seqs,
-                         max_num_batched_tokens=self.args.max_num_batched_tokens)
+                         max_num_batched_tokens=self.args.max_num_batched_tokens,
+                         scheduling_policy=self.scheduler.policy)
 
     def _fail_requests(self, requests: Iterable[Request], exc: Exception) -> list[RequestOutput]:
         """End the user requests of ``requests``, every sample, with finish reason ``"error"``

@@ -107,6 +107,7 @@ class ModelInfo:
         num_blocks: blocks in the KV cache pool.
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: most tokens computed in one step.
+        scheduling_policy: ``"fcfs"`` or ``"priority"``.
     """
 
     model: Optional[str]
@@ -118,6 +119,7 @@ class ModelInfo:
     num_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ class _SamplingFields(OpenAIBaseModel):
     bad_words: Optional[list[str]] = None
     prompt_logprobs: Optional[Int] = None
     cache_salt: Optional[str] = None
+    priority: Optional[Int] = None  # vLLM's: lower runs first under --scheduling-policy priority
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int]) -> SamplingParams:

@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing, SSEResponse,
-                                                        close_all, collect_final, merge_streams, now_seconds,
-                                                        random_id, run_until_disconnect,
+                                                        collect_final, merge_streams, now_seconds,
+                                                        run_until_disconnect,
                                                         sampling_params_error, sse, sse_with_errors, usage)
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.utils import check_utf8
@@ -70,16 +70,20 @@ class OpenAIServingChat(OpenAIServing):
             if error.param == "logprobs":  # chat's top_logprobs is SamplingParams.logprobs
                 error = OpenAIError(400, "top_" + str(exc), param="top_logprobs")
             raise error from exc
-        request_id = random_id("chatcmpl")
         created = now_seconds()
         prompt = {"prompt_token_ids": token_ids, "prompt": text}
-        streams = await self.add_requests(request_id, [prompt], params, request.cache_salt)
+        submission = await self.submit(raw_request, "chatcmpl", [prompt], params, request.cache_salt,
+                                       request.priority)
+        request_id, streams = submission.response_id, submission.streams
         if request.stream:
             chunks = self._stream(request, request_id, created, streams[0])
-            return SSEResponse(sse_with_errors(chunks), close_all(streams))
+            return SSEResponse(sse_with_errors(chunks), submission.close)
 
         async def respond() -> Response:
-            (final,) = await collect_final(streams)
+            try:
+                (final,) = await collect_final(streams)
+            finally:
+                submission.close()
             return JSONResponse(self._response(request, request_id, created, final))
         return await run_until_disconnect(raw_request, respond)
 
