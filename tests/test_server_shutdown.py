@@ -58,6 +58,11 @@ def test_sigterm_drains_then_exits_0(tmp_path):
         while httpx.get(server.url + "/health").status_code != 503:
             assert time.monotonic() < deadline
             time.sleep(0.02)
+        # Draining: not ready for new work, but alive (a platform must not restart it).
+        readyz = httpx.get(server.url + "/readyz")
+        assert readyz.status_code == 503 and "shutting down" in readyz.json()["error"]["message"]
+        assert httpx.get(server.url + "/livez").json() == {"status": "alive"}
+        assert httpx.get(server.url + "/load").json()["draining"] is True
         refused = httpx.post(server.url + "/v1/completions", json={"prompt": [1], "max_tokens": 1})
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
         for thread in threads:
