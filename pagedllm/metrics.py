@@ -269,8 +269,9 @@ class APIKeyMetrics:
     and ``anonymous`` ever appear (a bounded set: an unknown bearer token is refused before it
     is counted), created at 0 up front.
 
-    Series: ``pagedllm:api_key_requests_total{key_name, outcome}`` (outcome ``admitted``,
-    ``rate_limited`` (429), ``overloaded`` (503 from overload protection)),
+    Series: ``pagedllm:api_key_requests_total{key_name, outcome}`` (outcome ``admitted``: the
+    engine took it; ``rate_limited``: 429 for the key's limits; ``overloaded``: 503 from overload
+    protection),
     ``pagedllm:api_key_tokens_total{key_name}`` (tokens charged: ``usage.total_tokens`` of
     finished requests) and ``pagedllm:api_key_requests_open{key_name}`` (requests of the key
     open now; only for keys with limits).

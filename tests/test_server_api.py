@@ -286,52 +286,55 @@ def test_under_block_pressure_the_preempted_requests_are_low_priority():
 
 # --------------------------------------------------------------------------------- health, load
 class GatedSteps:
-    """Engine steps that run only while ``allowed`` > 0 (each takes one); ``die`` makes the
-    next step raise, killing the engine loop."""
+    """The engine thread steps only while ``allowed`` > 0 (each step takes one); until then it
+    sees no work and keeps taking commands, so requests queue up and the snapshots hold still.
+    ``kill()`` makes the next step raise, killing the engine loop."""
 
     def __init__(self, engine) -> None:
-        self.allowed = 0
+        self.allowed = 0.0
         self.die = False
-        self.condition = threading.Condition()
-        step = engine.step
+        has_work, step = engine.has_unfinished_requests, engine.step
+        engine.has_unfinished_requests = lambda: (self.allowed > 0 or self.die) and has_work()
 
         def gated_step():
-            with self.condition:
-                self.condition.wait_for(lambda: self.allowed > 0 or self.die)
-                if self.die:
-                    raise RuntimeError("injected engine failure")
-                self.allowed -= 1
+            if self.die:
+                raise RuntimeError("injected engine failure")
+            self.allowed -= 1
             return step()
         engine.step = gated_step
 
     def allow(self, steps: float) -> None:
-        with self.condition:
-            self.allowed = steps
-            self.condition.notify_all()
+        self.allowed = steps
 
     def kill(self) -> None:
-        with self.condition:
-            self.die = True
-            self.condition.notify_all()
+        self.die = True
 
 
 def test_load_equals_metrics_then_livez_readyz_and_requests_fail_fast_when_the_engine_dies():
     engine = make_tiny_engine(max_num_seqs=2)
     gate = GatedSteps(engine)
     with InThreadServer(engine) as server:
+        server.metrics.log_interval = 0.02  # how often an idle engine thread wakes (to see the gate)
         url = server.url
         assert httpx.get(url + "/livez").json() == {"status": "alive"}
         assert httpx.get(url + "/readyz").json() == {"status": "ready"}
-        gate.allow(1)  # one step: the prefill of two requests; the third waits for a seat
         threads = [threading.Thread(target=completion, args=(url, ""), kwargs={"prompt": [1] * 8, "max_tokens": 4})
                    for _ in range(3)]
         for thread in threads:
             thread.start()
-        load = {}
-        deadline = time.monotonic() + 30
-        while not (load.get("running") == 2 and load.get("waiting") == 1):
-            assert time.monotonic() < deadline, load
-            load = httpx.get(url + "/load").json()
+
+        def load_when(running: int, waiting: int) -> dict:
+            deadline = time.monotonic() + 30
+            while True:
+                load = httpx.get(url + "/load").json()
+                if (load["running"], load["waiting"]) == (running, waiting):
+                    return load
+                assert time.monotonic() < deadline, load
+                time.sleep(0.01)
+
+        load_when(0, 3)
+        gate.allow(1)  # one step: the prefill of two requests; the third waits for a seat
+        load = load_when(2, 1)
         values = scrape(url)
         # 8 prompt tokens in 4-token blocks: 2 blocks for each running request.
         assert (load["running"], load["waiting"], load["num_used_blocks"], load["num_blocks"]) == (2, 1, 4, 64)
@@ -368,31 +371,45 @@ def test_load_equals_metrics_then_livez_readyz_and_requests_fail_fast_when_the_e
 # --------------------------------------------------------------------------------- overload
 def test_overload_refuses_at_once_what_would_wait_past_the_slo_and_serves_the_rest():
     engine = slowed(make_tiny_engine(max_num_seqs=1), 0.02)
-    with InThreadServer(engine, app_kwargs={"max_queue_wait": 0.5}) as server:
+    with InThreadServer(engine, app_kwargs={"max_queue_wait": 2.0}) as server:
         url = server.url
         for _ in range(3):  # a finish rate to estimate from
             assert completion(url, "", max_tokens=10).status_code == 200
         results: list[int] = []
-        threads = [threading.Thread(target=lambda: results.append(completion(url, "", max_tokens=60).status_code))
-                   for _ in range(4)]
-        for thread in threads:
+        threads: list[threading.Thread] = []
+        refused = None
+        # One seat: each long request queues behind the others, until the estimated wait of
+        # the next, (waiting + 1) / finish rate, passes 2 s.
+        for i in range(10):
+            load = httpx.get(url + "/load").json()
+            estimate = load["estimated_wait_s"]
+            start = time.monotonic()
+            if estimate is not None and estimate > 2.5:  # clearly over: this one must be refused
+                refused = completion(url, "", max_tokens=10)
+                elapsed = time.monotonic() - start
+                break
+            thread = threading.Thread(target=lambda: results.append(completion(url, "", max_tokens=100).status_code))
             thread.start()
-        deadline = time.monotonic() + 30
-        while (load := httpx.get(url + "/load").json())["waiting"] < 3:
-            assert time.monotonic() < deadline, load
-            assert not results, results  # one running, three waiting: none is refused
-        start = time.monotonic()
-        refused = completion(url, "", max_tokens=10)
-        elapsed = time.monotonic() - start
-        assert refused.status_code == 503 and elapsed < 2.0
-        assert "overloaded" in refused.json()["error"]["message"]
+            threads.append(thread)
+            deadline = time.monotonic() + 30
+            while httpx.get(url + "/load").json()["open_requests"] < len(threads) and not results:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        assert refused is not None, load
+        assert refused.status_code == 503 and elapsed < 2.0, refused.text
+        message = refused.json()["error"]["message"]
+        assert "overloaded" in message
+        assert float(message.split("about ")[1].split(" s")[0]) > 2.0
         assert int(refused.headers["retry-after"]) >= 1
         for thread in threads:
-            thread.join(60)
-        assert results == [200] * 4
+            thread.join(120)
+        # What was admitted is served; what would have waited too long was not queued at all.
+        num_accepted = sum(1 for status in results if status == 200)
+        assert num_accepted >= 1 and len(results) == len(threads)
         values = scrape(url)
-        assert values['pagedllm:api_key_requests_total{key_name="anonymous",outcome="overloaded"}'] == 1
-        assert values['pagedllm:api_key_requests_total{key_name="anonymous",outcome="admitted"}'] == 8
+        assert values['pagedllm:api_key_requests_total{key_name="anonymous",outcome="overloaded"}'] == \
+            len(threads) - num_accepted + 1
+        assert values['pagedllm:api_key_requests_total{key_name="anonymous",outcome="admitted"}'] == 3 + num_accepted
 
 
 # --------------------------------------------------------------------------------- cancel, ids

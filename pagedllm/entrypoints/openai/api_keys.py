@@ -237,8 +237,8 @@ class RateLimiter:
     Args:
         keys: the configured keys.
         clock: monotonic seconds (tests pass a fake one).
-        on_event: called with ``(key name, event, value)`` for metrics: ``("admitted", 1)``,
-            ``("rate_limited", 1)``, ``("tokens", used)``, ``("open", open requests now)``.
+        on_event: called with ``(key name, event, value)`` for metrics: ``("rate_limited", 1)``,
+            ``("tokens", used)``, ``("open", open requests now)``.
     """
 
     def __init__(self, keys: list[APIKey], clock: Callable[[], float] = time.monotonic,
@@ -260,7 +260,6 @@ class RateLimiter:
         name = key.name if key is not None else ANONYMOUS
         state = self._states.get(name)
         if state is None:
-            self._on_event(name, "admitted", 1)
             return Admission(self, None, cost)
         now = self.clock()
         limits = state.key
@@ -289,7 +288,6 @@ class RateLimiter:
         if state.tokens is not None:
             state.tokens.take(cost, now)
         state.num_open += 1
-        self._on_event(name, "admitted", 1)
         self._on_event(name, "open", state.num_open)
         return Admission(self, state, cost)
 

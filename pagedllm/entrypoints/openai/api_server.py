@@ -240,9 +240,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key
         key_metrics = APIKeyMetrics(engine.metrics.registry, engine.metrics.model_name, names)
     limiter = RateLimiter(keys, clock, key_metrics.record if key_metrics is not None else None)
     registry = RequestRegistry()
-    policy = ServerPolicy(limiter, registry, max_queue_wait,
-                          (lambda name: key_metrics.record(name, "overloaded", 1)) if key_metrics is not None
-                          else (lambda name: None))
+    policy = ServerPolicy(limiter, registry, max_queue_wait)
+    if key_metrics is not None:
+        policy.record = key_metrics.record
     completions = OpenAIServingCompletion(engine, served_model_names, policy)
     chat = OpenAIServingChat(engine, served_model_names, policy)
     created = int(time.time())

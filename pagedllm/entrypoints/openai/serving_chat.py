@@ -80,12 +80,12 @@ class OpenAIServingChat(OpenAIServing):
             return SSEResponse(sse_with_errors(chunks), submission.close)
 
         async def respond() -> Response:
-            try:
-                (final,) = await collect_final(streams)
-            finally:
-                submission.close()
+            (final,) = await collect_final(streams)
             return JSONResponse(self._response(request, request_id, created, final))
-        return await run_until_disconnect(raw_request, respond)
+        try:
+            return await run_until_disconnect(raw_request, respond)
+        finally:  # before the response goes out, so that the client's next request sees the refund
+            submission.close()
 
     def _response(self, request: ChatCompletionRequest, request_id: str, created: int,
                   final: RequestOutput) -> dict:

@@ -45,12 +45,12 @@ class OpenAIServingCompletion(OpenAIServing):
             return SSEResponse(sse_with_errors(chunks), submission.close)
 
         async def respond() -> Response:
-            try:
-                finals = await collect_final(streams)
-            finally:
-                submission.close()
+            finals = await collect_final(streams)
             return JSONResponse(self._response(request, request_id, created, finals))
-        return await run_until_disconnect(raw_request, respond)
+        try:
+            return await run_until_disconnect(raw_request, respond)
+        finally:  # before the response goes out, so that the client's next request sees the refund
+            submission.close()
 
     def _engine_prompts(self, prompt: Any) -> list:
         if isinstance(prompt, str):

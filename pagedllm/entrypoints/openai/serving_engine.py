@@ -197,13 +197,14 @@ class ServerPolicy:
         registry: open requests, for cancellation.
         max_queue_wait: refuse (503) a request whose estimated wait exceeds this many seconds
             (None: only ``request_timeout`` bounds it).
-        on_overload: called with the key name of each request refused as overloaded.
+        record: metrics' ``(key name, outcome, 1)`` for each request the engine accepted
+            (``admitted``) or overload protection refused (``overloaded``).
     """
 
     limiter: RateLimiter
     registry: RequestRegistry
     max_queue_wait: Optional[float] = None
-    on_overload: Callable[[str], None] = lambda key_name: None
+    record: Callable[[str, str, int], None] = lambda key_name, outcome, count: None
 
 
 class OpenAIServing:
@@ -301,8 +302,8 @@ class OpenAIServing:
                 limit, at least 1).
         """
         limits = [limit for limit in (self.policy.max_queue_wait, self.engine.request_timeout) if limit is not None]
-        if not limits:
-            return
+        if not limits or not self.engine.is_healthy or self.engine.draining:
+            return  # the engine refuses those itself, with their own reasons
         limit = min(limits)
         info = self.engine.model_info
         wait = self.engine.load.estimated_wait(self.engine.stats, info.max_num_seqs,
@@ -341,7 +342,7 @@ class OpenAIServing:
             try:
                 self.check_overload(priority)
             except OpenAIError:
-                self.policy.on_overload(context.key_name)
+                self.policy.record(context.key_name, "overloaded", 1)
                 raise
             base = f"{context.key_name}/{uuid.uuid4().hex}"
             for i, prompt in enumerate(prompts):
@@ -353,6 +354,7 @@ class OpenAIServing:
             if isinstance(exc, Exception):
                 raise to_openai_error(exc) from exc
             raise
+        self.policy.record(context.key_name, "admitted", 1)
         submission = Submission(context, response_id, streams, admission, self.policy.registry)
         self.policy.registry.add(submission)
         logger.info("request %s (X-Request-Id %r, key %s): %d prompt(s), priority %d, %d tokens reserved",
