@@ -48,6 +48,7 @@ from typing import Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -317,7 +318,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key
                 "healthy": engine.is_healthy, "draining": engine.draining}
 
     @app.post("/v1/requests/{request_id}/cancel")
-    async def cancel(request_id: str, raw_request: Request) -> dict:
+    async def cancel(raw_request: Request, request_id: str = PathParam(
+            min_length=1, max_length=160, pattern=r"^[\x21-\x7e]+$",
+            description="an X-Request-Id or a response id (cmpl-..., chatcmpl-...)")) -> dict:
         """Abort the caller's open requests known by ``request_id`` (their ``X-Request-Id`` or
         response ``id``); their clients get what was generated, finish reason ``abort``.
         Another key's request is not found (404), as a finished one."""
