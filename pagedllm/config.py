@@ -96,6 +96,13 @@ class EngineArgs:
               "(detected from its config.json without the option; the option must match). "
               "Default: none (weights in --dtype)",
         choices=_QUANTIZATIONS)
+    scheduling_policy: str = _option(
+        "fcfs", "fcfs: first come, first served; priority: by each request's priority (lower "
+                "first, ties by arrival), and under KV cache pressure the running request of "
+                "lowest priority is preempted (vLLM's policies)", choices=("fcfs", "priority"))
+    priority_aging_interval: float = _option(
+        10.0, "under --scheduling-policy priority, seconds of waiting that improve a request's "
+              "priority by one, so that low priorities cannot starve; 0 turns aging off")
     kv_cache_dtype: str = _option(
         "auto", "KV cache dtype: auto (the compute dtype), bfloat16 or float32. A bfloat16 cache "
                 "under float32 compute holds twice the tokens in the same bytes and halves what "
@@ -191,6 +198,11 @@ class EngineArgs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({self.max_num_seqs}): every running request needs "
                              "a token of the budget to decode")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if isinstance(self.priority_aging_interval, bool) or not isinstance(self.priority_aging_interval, (int, float)) \
+                or not self.priority_aging_interval >= 0:
+            raise ValueError(f"priority_aging_interval must be >= 0 seconds, got {self.priority_aging_interval!r}")
         if self.enable_prefix_caching is None:  # vLLM's "the platform's default": on here
             self.enable_prefix_caching = True
         if not isinstance(self.enable_prefix_caching, bool):

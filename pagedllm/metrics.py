@@ -283,3 +283,54 @@ class EngineMetrics:
         self._last_log_time = now
         self._prompt_tokens_since_log = 0
         self._generation_tokens_since_log = 0
+
+
+class APIKeyMetrics:
+    """Per-key series of the HTTP server, labelled ``key_name``: only the configured key names
+    and ``anonymous`` ever appear (a bounded set: an unknown bearer token is refused before it
+    is counted), created at 0 up front.
+
+    Series: ``pagedllm:api_key_requests_total{key_name, outcome}`` (outcome ``admitted``: the
+    engine took it; ``rate_limited``: 429 for the key's limits; ``overloaded``: 503 from overload
+    protection),
+    ``pagedllm:api_key_tokens_total{key_name}`` (tokens charged: ``usage.total_tokens`` of
+    finished requests) and ``pagedllm:api_key_requests_open{key_name}`` (requests of the key
+    open now; only for keys with limits).
+
+    Args:
+        registry: the registry to add the series to (the engine metrics' one).
+        model_name: value of the ``model_name`` label.
+        key_names: the configured names (``anonymous`` is added).
+    """
+
+    OUTCOMES = ("admitted", "rate_limited", "overloaded")
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, key_names: list[str]) -> None:
+        names = list(dict.fromkeys([*key_names, "anonymous"]))
+        requests = Counter("pagedllm:api_key_requests", "API requests by key name and outcome.",
+                           ["model_name", "key_name", "outcome"], registry=registry)
+        tokens = Counter("pagedllm:api_key_tokens", "Tokens charged to each key (usage.total_tokens).",
+                         ["model_name", "key_name"], registry=registry)
+        open_requests = Gauge("pagedllm:api_key_requests_open", "Requests of each key open now.",
+                              ["model_name", "key_name"], registry=registry)
+        self._requests = {(name, outcome): requests.labels(model_name, name, outcome)
+                          for name in names for outcome in self.OUTCOMES}
+        self._tokens = {name: tokens.labels(model_name, name) for name in names}
+        self._open = {name: open_requests.labels(model_name, name) for name in names}
+
+    def record(self, key_name: str, event: str, value: int) -> None:
+        """``RateLimiter``'s ``on_event``: ``admitted``/``rate_limited``/``overloaded`` count
+        one request, ``tokens`` adds ``value``, ``open`` sets the gauge. Unknown names are
+        dropped, so that cardinality stays bounded."""
+        if event == "tokens":
+            counter = self._tokens.get(key_name)
+            if counter is not None:
+                counter.inc(value)
+        elif event == "open":
+            gauge = self._open.get(key_name)
+            if gauge is not None:
+                gauge.set(value)
+        else:
+            counter = self._requests.get((key_name, event))
+            if counter is not None:
+                counter.inc(value)

@@ -103,6 +103,8 @@ def test_server_routes_read_nothing_of_the_engine_outside_its_thread(monkeypatch
         url = server.url
         (guard,) = guards
         assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/livez").status_code == httpx.get(url + "/readyz").status_code == 200
+        assert httpx.get(url + "/load").json()["num_blocks"] == 64
         assert httpx.get(url + "/version").status_code == 200
         assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == 128
         tokens = httpx.post(url + "/tokenize", json={"prompt": "hello there"}).json()

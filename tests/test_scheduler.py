@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import pytest
+
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
@@ -22,27 +24,28 @@ TOKEN = 7  # every fake sampled token; no EOS is set, so only max_tokens ends a 
 
 
 def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
-                   max_model_len: int = 64) -> Scheduler:
+                   max_model_len: int = 64, **policy) -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=False)
-    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len)
+    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len, **policy)
 
 
 def make_request(request_id: str, num_prompt_tokens: int, arrival_time: float, max_tokens: int = 16,
-                 n: int = 1) -> Request:
+                 n: int = 1, priority: int = 0) -> Request:
     """A request of ``num_prompt_tokens`` tokens; with ``n > 1`` its other samples are its
     ``pending_forks`` (ids ``{request_id}.1``, ...), as ``LLMEngine.add_request`` queues them."""
     params = SamplingParams(n=n, max_tokens=max_tokens)
     prompt = list(range(1, num_prompt_tokens + 1))
     first, *forks = [Request(request_id if index == 0 else f"{request_id}.{index}", prompt, params, max_tokens,
-                             eos_token_id=None, arrival_time=arrival_time, seed_offset=index)
+                             eos_token_id=None, arrival_time=arrival_time, seed_offset=index,
+                             priority=priority)
                      for index in range(n)]
     first.pending_forks = forks
     return first
 
 
-def step(scheduler: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
+def step(scheduler: Scheduler, now: Optional[float] = None) -> tuple[SchedulerOutput, list[Request]]:
     """One engine step with a fake model; returns the schedule and the requests that finished."""
-    output = scheduler.schedule()
+    output = scheduler.schedule(now)
     sampled: dict[str, int] = {}
     for request, num_new_tokens in output.scheduled:
         if request.num_computed_tokens + num_new_tokens == request.num_tokens:
@@ -342,3 +345,94 @@ def test_max_model_len_ends_a_request_before_max_tokens():
     assert request.status == RequestStatus.FINISHED_LENGTH
     assert not scheduler.has_unfinished_requests()
     assert scheduler.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+# ----------------------------------------------------------------------------- priority policy
+def test_priority_admits_lower_values_first_and_ties_by_arrival():
+    scheduler = make_scheduler(max_num_seqs=2, policy="priority")
+    for name, priority, arrival in (("a", 1, 0), ("b", 0, 1), ("c", 0, 2), ("d", -1, 3)):
+        scheduler.add_request(make_request(name, 4, arrival_time=arrival, max_tokens=1, priority=priority))
+    output, finished = step(scheduler, now=4)
+    assert scheduled(output) == [("d", 4), ("b", 4)]
+    assert ids(finished) == ["d", "b"]
+    output, _ = step(scheduler, now=5)
+    assert scheduled(output) == [("c", 4), ("a", 4)]
+
+
+def test_fcfs_ignores_priorities():
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("old", 4, arrival_time=0, priority=5))
+    scheduler.add_request(make_request("urgent", 4, arrival_time=1, priority=-5))
+    output, _ = step(scheduler)
+    assert scheduled(output) == [("old", 4)]
+
+
+def test_priority_preempts_the_lowest_priority_running_request_not_the_youngest():
+    # As the FCFS preemption test, but the oldest request has the lowest priority (largest
+    # value): it is the victim, where FCFS would take c.
+    scheduler = make_scheduler(num_blocks=4, policy="priority")
+    a = make_request("a", 4, arrival_time=0, priority=5)
+    b = make_request("b", 4, arrival_time=1, priority=0, max_tokens=2)
+    c = make_request("c", 4, arrival_time=2, priority=0)
+    for request in (a, b, c):
+        scheduler.add_request(request)
+    output, _ = step(scheduler, now=3)
+    assert scheduled(output) == [("b", 4), ("c", 4), ("a", 4)]  # budget taken in priority order
+    output, finished = step(scheduler, now=4)
+    # b takes the last free block; c needs one: a, priority 5, gives its block back.
+    assert scheduled(output) == [("b", 1), ("c", 1)]
+    assert ids(output.preempted) == ["a"] and a.status == RequestStatus.PREEMPTED
+    assert ids(finished) == ["b"]
+    assert ids(scheduler.waiting) == ["a"] and ids(scheduler.running) == ["c"]
+    scheduler.kv_cache_manager.block_pool.check_invariants()
+
+
+def test_priority_ties_preempt_the_latest_arrival():
+    scheduler = make_scheduler(num_blocks=4, policy="priority")
+    a, b, c = (make_request(name, 4, arrival_time=t, priority=1) for t, name in enumerate("abc"))
+    for request in (a, b, c):
+        scheduler.add_request(request)
+    step(scheduler, now=3)
+    output, _ = step(scheduler, now=4)
+    assert ids(output.preempted) == ["c"]
+
+
+def test_a_preempted_low_priority_request_waits_behind_higher_priority_ones():
+    scheduler = make_scheduler(num_blocks=3, max_num_seqs=2, policy="priority")
+    low = make_request("low", 4, arrival_time=0, priority=3)
+    high = make_request("high", 4, arrival_time=1, priority=0, max_tokens=1)
+    scheduler.add_request(low)
+    scheduler.add_request(high)
+    step(scheduler, now=2)  # high finishes its one token
+    scheduler.add_request(make_request("mid", 4, arrival_time=2, priority=1))
+    scheduler.add_request(make_request("new_high", 4, arrival_time=3, priority=0))
+    output, _ = step(scheduler, now=4)
+    assert scheduled(output)[0] == ("low", 1)
+    assert scheduled(output)[1:] == [("new_high", 4)]  # ahead of mid (priority 1)
+    output, _ = step(scheduler, now=5)  # new_high decodes, low needs a block: low is the victim
+    assert ids(output.preempted) == ["low"]
+    assert ids(scheduler.waiting) == ["low", "mid"]
+    output, _ = step(scheduler, now=6)
+    assert [request_id for request_id, _ in scheduled(output)] == ["new_high", "mid"]
+
+
+def test_aging_bounds_starvation():
+    """priority_aging_interval=10: after 30 s a priority-3 request ranks as priority 0 and,
+    having arrived first, goes before priority-0 requests that arrived later."""
+    def first_admitted(now: float) -> str:
+        scheduler = make_scheduler(max_num_seqs=1, policy="priority", priority_aging_interval=10.0)
+        scheduler.add_request(make_request("patient", 4, arrival_time=0, priority=3))
+        scheduler.add_request(make_request("urgent", 4, arrival_time=25, priority=0))
+        output, _ = step(scheduler, now=now)
+        return scheduled(output)[0][0]
+
+    assert first_admitted(now=29.9) == "urgent"  # patient's effective priority: 3 - 2 = 1
+    assert first_admitted(now=30.0) == "patient"  # 3 - 3 = 0, and it arrived first
+
+
+def test_unknown_policy_and_negative_aging_are_refused():
+    kv = KVCacheManager(8, BLOCK_SIZE, enable_caching=False)
+    with pytest.raises(ValueError, match="scheduling_policy must be one of .* got 'lifo'"):
+        Scheduler(kv, 2, 16, 16, policy="lifo")
+    with pytest.raises(ValueError, match="priority_aging_interval must be >= 0 seconds, got -1"):
+        Scheduler(kv, 2, 16, 16, policy="priority", priority_aging_interval=-1)

@@ -142,12 +142,12 @@ class InThreadServer:
     (for configurations and failure injection that need the engine at hand)."""
 
     def __init__(self, engine: LLMEngine, served_model_name: str = MODEL, api_key: Optional[str] = None,
-                 **async_engine_kwargs) -> None:
+                 app_kwargs: Optional[dict] = None, **async_engine_kwargs) -> None:
         self.metrics = EngineMetrics(served_model_name, engine.max_model_len, engine.args.max_num_seqs,
                                      engine.args.max_num_batched_tokens)
         self.engine = AsyncLLMEngine(engine, self.metrics, **async_engine_kwargs)
         self.engine.start()
-        app = build_app(self.engine, [served_model_name], api_key)
+        app = build_app(self.engine, [served_model_name], api_key, **(app_kwargs or {}))
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"

@@ -3,6 +3,7 @@ error, new ones get 503, and the process exits with status 0."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -26,19 +27,25 @@ def slow_tiny_engine(engine_args: EngineArgs) -> LLMEngine:
 
 
 def test_sigterm_drains_then_exits_0(tmp_path):
+    # The keys file also checks --api-keys-file end to end: its key is required and never logged.
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(json.dumps([{"name": "drainer", "key": "sk-drain-secret", "requests_per_minute": 100}]))
+    headers = {"Authorization": "Bearer sk-drain-secret"}
     server = ServerProcess("--engine-factory", "tests.test_server_shutdown:slow_tiny_engine",
                            "--drain-timeout", "3", "--max-model-len", "128", "--block-size", "4",
+                           "--api-keys-file", str(keys_file),
                            "--kv-cache-memory-bytes", str(2**20), log_path=tmp_path / "server.log").wait_ready()
     results: dict[str, object] = {}
 
     def stream(name: str, max_tokens: int) -> None:
         body = {"prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers,
+                          timeout=60) as response:
             results[name] = sse_events(response.iter_lines())
 
     def post(name: str, max_tokens: int) -> None:
         response = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": max_tokens},
-                              timeout=60)
+                              headers=headers, timeout=60)
         results[name] = (response.status_code, response.json())
 
     long_threads = [threading.Thread(target=stream, args=("long", 120)),
@@ -58,8 +65,15 @@ def test_sigterm_drains_then_exits_0(tmp_path):
         while httpx.get(server.url + "/health").status_code != 503:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        refused = httpx.post(server.url + "/v1/completions", json={"prompt": [1], "max_tokens": 1})
+        # Draining: not ready for new work, but alive (a platform must not restart it).
+        readyz = httpx.get(server.url + "/readyz")
+        assert readyz.status_code == 503 and "shutting down" in readyz.json()["error"]["message"]
+        assert httpx.get(server.url + "/livez").json() == {"status": "alive"}
+        assert httpx.get(server.url + "/load").json()["draining"] is True
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": [1], "max_tokens": 1}).status_code == 401
+        refused = httpx.post(server.url + "/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers=headers)
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        assert refused.headers["x-ratelimit-limit-requests"] == "100"
         for thread in threads:
             thread.join(30)
         assert server.proc.wait(30) == 0
@@ -70,3 +84,4 @@ def test_sigterm_drains_then_exits_0(tmp_path):
     assert long[-1] == "[DONE]" and long[-2]["error"]["code"] == 503 and "drain" in long[-2]["error"]["message"]
     assert results["short_plain"][0] == 200 and results["short_plain"][1]["usage"]["completion_tokens"] == 20
     assert results["long_plain"][0] == 503
+    assert "sk-drain-secret" not in (tmp_path / "server.log").read_text()

@@ -49,6 +49,8 @@ class Request:
             only with ``sampling_params.prompt_logprobs``.
         cumulative_logprob: sum of the raw logprobs of the generated tokens.
         cache_salt: extra prefix-cache key; requests with different salts never share blocks.
+        priority: scheduling priority under the ``priority`` policy: lower runs first (vLLM's
+            convention); ignored under ``fcfs``.
         num_cached_tokens: prompt tokens that were prefix-cache hits when the request was
             first scheduled (-1 before that).
         pending_forks: the other samples of an ``n > 1`` request; they are not scheduled
@@ -65,7 +67,7 @@ class Request:
 
     def __init__(self, request_id: Union[str, tuple[str, int]], prompt_token_ids: list[int], sampling_params: SamplingParams,
                  max_tokens: int, eos_token_id: Optional[int], arrival_time: Optional[float] = None,
-                 seed_offset: int = 0, cache_salt: Optional[str] = None) -> None:
+                 seed_offset: int = 0, cache_salt: Optional[str] = None, priority: int = 0) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -84,6 +86,7 @@ class Request:
         self.cumulative_logprob = 0.0
         self.generator: Optional[torch.Generator] = None
         self.cache_salt = cache_salt
+        self.priority = priority
         self.num_cached_tokens = -1
         self.pending_forks: list[Request] = []
         self.grammar: Optional[GrammarState] = None

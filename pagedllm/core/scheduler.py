@@ -7,12 +7,15 @@ the KV cache manager's business; tensors are the model runner's.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -41,7 +44,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """First-come-first-served continuous batching under a per-step token budget.
+    """Continuous batching under a per-step token budget, first-come-first-served or by priority.
 
     Each step walks the running requests first (oldest first), then admits waiting ones while
     the budget ``max_num_batched_tokens``, the ``max_num_seqs`` limit and free blocks allow. A
@@ -54,19 +57,52 @@ class Scheduler:
     ``n > 1`` request is admitted as its first sample with seats reserved for the others,
     which fork off its blocks once the prompt is computed.
 
+    Policies (vLLM v1 ``SchedulingPolicy``, ``vllm/v1/core/sched/scheduler.py``):
+
+    - ``fcfs``: the order is arrival: running requests oldest first, the victim the most
+      recently arrived running request, the waiting queue in arrival order (a preempted
+      request goes back to its front).
+    - ``priority``: the order is ``(priority, arrival_time)``, lower first, as vLLM's
+      ``PriorityRequestQueue``: the waiting queue is admitted in that order, running requests
+      take the budget in that order, and under block pressure the victim is the running
+      request with the largest key (lowest priority, latest arrival), vLLM's
+      ``max(self.running, key=lambda r: (r.priority, r.arrival_time))``. Like vLLM, a
+      waiting request never preempts a running one: priority decides who gets the next free
+      seat and who loses its blocks, not who is evicted to make room.
+
+    Starvation under ``priority`` is bounded by aging (vLLM has none): a request's effective
+    priority is ``priority - floor(seconds since arrival / priority_aging_interval)``, so one
+    that has waited ``(p - q) * priority_aging_interval`` seconds is ordered before every
+    request of priority ``q`` that arrived after it. The key is computed once per
+    ``schedule()`` call (at ``now``) and both queues are sorted with it, which costs
+    O(n log n) in the queue lengths per step.
+
     Args:
         kv_cache_manager: owner of the block tables.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: most tokens computed in one step.
         max_model_len: most tokens (prompt + output) of one request.
+        policy: ``"fcfs"`` or ``"priority"``.
+        priority_aging_interval: seconds of waiting worth one priority level under
+            ``priority`` (0: no aging; a low priority can then starve).
+
+    Raises:
+        ValueError: an unknown policy or a negative ``priority_aging_interval``.
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int) -> None:
+                 max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs",
+                 priority_aging_interval: float = 0.0) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+        if not priority_aging_interval >= 0:
+            raise ValueError(f"priority_aging_interval must be >= 0 seconds, got {priority_aging_interval!r}")
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.policy = policy
+        self.priority_aging_interval = priority_aging_interval
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -107,10 +143,35 @@ class Scheduler:
             ended.append(request)
         return ended
 
+    def order_key(self, now: float) -> Callable[[Request], tuple]:
+        """The policy's sort key at ``now`` (monotonic seconds): smaller runs first and is
+        preempted last (see the class docstring)."""
+        if self.policy == "fcfs":
+            return lambda request: (request.arrival_time,)
+        aging = self.priority_aging_interval
+
+        def key(request: Request) -> tuple:
+            priority = request.priority
+            if aging:
+                priority -= int(max(0.0, now - request.arrival_time) // aging)
+            return priority, request.arrival_time
+        return key
+
     # ----------------------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: Optional[float] = None) -> SchedulerOutput:
+        """Pick this step's batch.
+
+        Args:
+            now: the time the priority key ages to (monotonic seconds; default: now).
+        """
         output = SchedulerOutput()
         token_budget = self.max_num_batched_tokens
+        key = self.order_key(time.monotonic() if now is None else now)
+        if self.policy == "priority":
+            # Sorted, the tail of running is vLLM's max() victim and the head of waiting its
+            # heap's top.
+            self.running.sort(key=key)
+            self.waiting = deque(sorted(self.waiting, key=key))
 
         index = 0
         while index < len(self.running) and token_budget > 0:
@@ -152,8 +213,8 @@ class Scheduler:
             output.scheduled.append((request, num_new_tokens))
             token_budget -= num_new_tokens
 
-        # Keep the running list oldest-first so that the tail is always the preemption victim.
-        self.running.sort(key=lambda r: r.arrival_time)
+        # Keep the running list in policy order so that the tail is always the preemption victim.
+        self.running.sort(key=key)
         output.blocks_to_copy = self.kv_cache_manager.take_pending_copies()
         return output
 
@@ -221,7 +282,8 @@ class Scheduler:
         child.status = RequestStatus.RUNNING
         self.requests[child.request_id] = child
         # After its parent and siblings (same arrival time), before younger requests: the
-        # running list stays oldest-first, so the next step's victim is still the youngest.
+        # running list stays oldest-first, so the next step's victim is still the youngest
+        # (under ``priority`` the next ``schedule()`` sorts it by its key anyway).
         bisect.insort(self.running, child, key=lambda request: request.arrival_time)
 
     def _append_token(self, request: Request, token_id: int, finished: list[Request]) -> None:

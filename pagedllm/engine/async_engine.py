@@ -50,7 +50,7 @@ from typing import AsyncIterator, Optional, Union
 
 from pagedllm.engine.kv_snapshot import KVCacheSnapshot
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
-from pagedllm.engine.stats import ModelInfo, SchedulerStats
+from pagedllm.engine.stats import LoadStats, LoadTracker, ModelInfo, SchedulerStats
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -99,6 +99,7 @@ class RequestStream:
         self._item: Optional[_Item] = None
         self._terminal = False  # the last item has been put (or the reader gave up)
         self._done = False  # the reader has taken the last item
+        self.last_output: Optional[RequestOutput] = None  # the newest output the reader took
 
     def put(self, item: _Item) -> None:
         """Deliver an item (event loop thread only). Items after the last one are dropped."""
@@ -124,6 +125,7 @@ class RequestStream:
             raise item
         if item.finished:
             self._done = True
+        self.last_output = item
         return item
 
     @property
@@ -153,6 +155,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     cache_salt: Optional[str]
+    priority: int
     stream: RequestStream
     ack: asyncio.Future
     loop: asyncio.AbstractEventLoop
@@ -193,7 +196,10 @@ class AsyncLLMEngine:
             for the server; taken before the engine thread starts.
         stats: the engine's newest ``SchedulerStats`` snapshot, readable from any thread.
             Replaced (never mutated) by the engine thread after every step and every command
-            it takes, so a burst of requests is counted exactly by load shedding.
+            it takes, so a burst of requests is counted exactly by load shedding. The
+            metrics gauges are set from each one as it is published.
+        load: the newest ``LoadStats`` (recent step times and finish rate), replaced by the
+            engine thread after every step.
         kv_snapshot: the newest ``KVCacheSnapshot`` the engine thread took (None before the
             first); readable from any thread, replaced only while someone asks for them.
         kv_snapshot_interval: seconds between two snapshots taken for subscribers while the
@@ -225,6 +231,8 @@ class AsyncLLMEngine:
         self.engine = engine
         self.model_info: ModelInfo = engine.get_model_info()
         self.stats: SchedulerStats = engine.make_stats()
+        self.load = LoadStats()
+        self._load_tracker = LoadTracker()
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self.request_timeout = request_timeout
@@ -256,8 +264,9 @@ class AsyncLLMEngine:
         return len(self._active)
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          cache_salt: Optional[str] = None) -> RequestStream:
-        """Queue a request and return its stream once the engine accepted it.
+                          cache_salt: Optional[str] = None, priority: int = 0) -> RequestStream:
+        """Queue a request and return its stream once the engine accepted it (``priority``:
+        as ``LLMEngine.add_request``).
 
         Raises:
             ValueError: a duplicate in-flight ``request_id`` or anything ``LLMEngine.add_request``
@@ -282,7 +291,7 @@ class AsyncLLMEngine:
         ack = loop.create_future()
         self._active[request_id] = stream
         self._commands.put(_Add(stream.engine_request_id, prompt, params, time.monotonic(), cache_salt,
-                                stream, ack, loop))
+                                priority, stream, ack, loop))
         try:
             await ack
         except asyncio.CancelledError:
@@ -388,12 +397,16 @@ class AsyncLLMEngine:
                     break
                 self._expire(time.monotonic())
                 if engine.has_unfinished_requests():
+                    start = time.monotonic()
                     outputs = engine.step()
+                    now = time.monotonic()
+                    self._load_tracker.record_step(now - start, sum(o.finished for o in outputs), now)
+                    self.load = self._load_tracker.snapshot(now)
                     self._kv_changed = True
                     self._publish_kv_snapshot()
                     self.stats = engine.make_stats()
                     if self.metrics is not None:
-                        self.metrics.record_step(self.stats, outputs, time.monotonic())
+                        self.metrics.record_step(self.stats, outputs, now)
                     self._dispatch(outputs)
                 elif self.metrics is not None:
                     self.metrics.update_gauges(self.stats)
@@ -455,7 +468,8 @@ class AsyncLLMEngine:
         else:
             try:
                 engine.add_request(command.engine_request_id, command.prompt, command.params,
-                                   arrival_time=command.arrival_time, cache_salt=command.cache_salt)
+                                   arrival_time=command.arrival_time, cache_salt=command.cache_salt,
+                                   priority=command.priority)
             except ValueError as exc:
                 error = exc
             except Exception as exc:  # noqa: BLE001 - a request must never kill the loop
@@ -466,18 +480,25 @@ class AsyncLLMEngine:
             self._entries[command.engine_request_id] = _Entry(command.stream, command.loop, deadline)
             if self.metrics is not None:
                 self.metrics.request_added(command.engine_request_id, command.arrival_time)
-            self.stats = engine.make_stats()
+            self._publish_stats()
             self._kv_changed = True
         _call_soon(command.loop, _resolve, command.ack, error)
 
     def _abort(self, command: _Abort) -> None:
         self.engine.abort_request(command.engine_request_id)
-        self.stats = self.engine.make_stats()
+        self._publish_stats()
         self._kv_changed = True
         if command.error is not None:
             entry = self._entries.pop(command.engine_request_id, None)
             if entry is not None:
                 _call_soon(entry.loop, entry.stream.put, command.error)
+
+    def _publish_stats(self) -> None:
+        """A new snapshot between steps; the gauges follow it, so that ``/metrics`` and
+        ``/load`` report the same counts."""
+        self.stats = self.engine.make_stats()
+        if self.metrics is not None:
+            self.metrics.update_gauges(self.stats)
 
     def _expire(self, now: float) -> None:
         expired = [rid for rid, entry in self._entries.items()

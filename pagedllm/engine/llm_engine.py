@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
@@ -154,7 +155,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size,
                                                enable_caching=engine_args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, engine_args.max_num_seqs,
-                                   engine_args.max_num_batched_tokens, self.max_model_len)
+                                   engine_args.max_num_batched_tokens, self.max_model_len,
+                                   engine_args.scheduling_policy, engine_args.priority_aging_interval)
         self.model_runner = ModelRunner(model, num_blocks, block_size, engine_args.seed, self.kv_cache_dtype,
                                         broadcast_steps=self._tp_workers is not None)
         # All ranks together: each holds its KV heads' share of every block.
@@ -221,7 +223,8 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> None:
+                    arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
+                    priority: int = 0) -> None:
         """Queue a request.
 
         The ``n`` samples of a request are prefilled once: the first one is scheduled, the
@@ -234,17 +237,25 @@ class LLMEngine:
             params: sampling parameters (default ``SamplingParams()``).
             cache_salt: prefix-cache isolation key: requests with different salts (or one
                 with and one without) never share KV blocks.
+            priority: under ``scheduling_policy="priority"``, lower runs first (vLLM's
+                ``priority``); must be 0 under ``fcfs`` (as vLLM).
 
         Raises:
             ValueError: empty prompt, token ids out of the vocabulary, a prompt that cannot fit
                 ``max_model_len`` (or ``prompt + max_tokens`` beyond it), ``n`` above
                 ``max_num_seqs`` or needing more blocks than the pool, a non-string
-                ``cache_salt``, or a duplicate ``request_id``. Nothing is queued then.
+                ``cache_salt``, a duplicate ``request_id``, a non-integer ``priority`` or a
+                non-zero one under ``fcfs``. Nothing is queued then.
         """
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduler.policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine "
+                             f"schedules {self.scheduler.policy!r})")
         self._queue(self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt,
-                                                 in_flight=self.parents))
+                                                 in_flight=self.parents), priority)
 
-    def _queue(self, processed: ProcessedRequest) -> None:
+    def _queue(self, processed: ProcessedRequest, priority: int = 0) -> None:
         """Make the ``Request`` of each sample of an admitted request and schedule the first."""
         request_id, params, max_tokens = processed.request_id, processed.sampling_params, processed.max_tokens
         prompt_token_ids, arrival_time, cache_salt = (processed.prompt_token_ids, processed.arrival_time,
@@ -255,7 +266,7 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else (request_id, index)
             parent.children.append(Request(child_id, prompt_token_ids, params, max_tokens,
                                            self.eos_token_id, arrival_time, seed_offset=index,
-                                           cache_salt=cache_salt))
+                                           cache_salt=cache_salt, priority=priority))
             if processed.grammar is not None:  # one state per sample
                 parent.children[-1].grammar = processed.grammar.new_state()
         self.parents[request_id] = parent
@@ -318,7 +329,8 @@ class LLMEngine:
         record = TokenLogprobs([token_id] + last.token_ids[1:], [last.logprobs[index]] + last.logprobs[1:],
                                [last.ranks[index]] + last.ranks[1:])
         child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.max_tokens,
-                        parent.eos_token_id, parent.arrival_time, cache_salt=parent.cache_salt)
+                        parent.eos_token_id, parent.arrival_time, cache_salt=parent.cache_salt,
+                        priority=parent.priority)
         child.output_token_ids = parent.output_token_ids[:-1]
         child.logprobs = parent.logprobs[:-1] + [record]
         for kept in child.logprobs:  # summed in the order step() sums them
@@ -459,7 +471,7 @@ class LLMEngine:
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot of the queues, the KV cache and the latest step (vLLM ``make_stats``);
-        O(1). Observers (metrics, the async engine's load shedding, other threads) read this,
+        O(1) under fcfs, O(waiting) under priority. Observers (metrics, the async engine's load shedding, other threads) read this,
         never the scheduler or the KV cache manager."""
         manager = self.kv_cache_manager
         return SchedulerStats(num_running_reqs=self.scheduler.num_running,
@@ -469,7 +481,14 @@ class LLMEngine:
                               num_preemptions=self.scheduler.num_preemptions,
                               prefix_cache_queries=manager.prefix_cache_queries,
                               prefix_cache_hits=manager.prefix_cache_hits,
-                              iteration=self._iteration)
+                              iteration=self._iteration,
+                              num_waiting_by_priority=self._waiting_by_priority())
+
+    def _waiting_by_priority(self) -> tuple[tuple[int, int], ...]:
+        """O(waiting) under the priority policy, nothing under fcfs (where priority is 0)."""
+        if self.scheduler.policy != "priority":
+            return ()
+        return tuple(sorted(Counter(request.priority for request in self.scheduler.waiting).items()))
 
     def make_kv_snapshot(self) -> KVCacheSnapshot:
         """A picture of the block pool: every block's state and owner, every queued
@@ -487,7 +506,7 @@ class LLMEngine:
                          tokenizer=self.tokenizer, block_size=self.args.block_size,
                          num_blocks=self.num_blocks, max_num_seqs=self.args.max_num_seqs,
                          max_num_batched_tokens=self.args.max_num_batched_tokens,
-                         grammar_compiler=self.grammar_compiler)
+                         grammar_compiler=self.grammar_compiler, scheduling_policy=self.scheduler.policy)
 
     def _fail_requests(self, requests: Iterable[Request], exc: Exception) -> list[RequestOutput]:
         """End the user requests of ``requests``, every sample, with finish reason ``"error"``

@@ -14,6 +14,8 @@ starts, so the HTTP server never reads ``LLMEngine`` attributes from the event l
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -57,6 +59,9 @@ class SchedulerStats:
             built.
         prefix_cache_hits: of those, tokens whose K/V was found.
         iteration: what the latest step did (``step == 0`` before the first step).
+        num_waiting_by_priority: ``(priority, waiting sequences)`` pairs, ascending, under
+            the ``priority`` scheduling policy (empty under ``fcfs``): how many wait ahead of
+            a new request of a given priority.
     """
 
     num_running_reqs: int = 0
@@ -67,6 +72,15 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     iteration: IterationStats = field(default_factory=IterationStats)
+    num_waiting_by_priority: tuple[tuple[int, int], ...] = ()
+
+    def num_waiting_ahead(self, priority: Optional[int]) -> int:
+        """Sequences a new request of ``priority`` queues behind: all waiting ones under
+        ``fcfs`` (or with ``priority`` None), those of priority <= ``priority`` under
+        ``priority`` (aging left out)."""
+        if priority is None or not self.num_waiting_by_priority:
+            return self.num_waiting_reqs
+        return sum(count for value, count in self.num_waiting_by_priority if value <= priority)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -96,6 +110,7 @@ class ModelInfo:
         grammar_compiler: compiles ``structured_outputs`` (thread-safe, cached; None without
             a tokenizer). Shared like the tokenizer: the server compiles in a worker thread
             so that the engine thread finds the grammar in the cache.
+        scheduling_policy: ``"fcfs"`` or ``"priority"``.
     """
 
     model: Optional[str]
@@ -108,3 +123,69 @@ class ModelInfo:
     max_num_seqs: int
     max_num_batched_tokens: int
     grammar_compiler: Any = None
+    scheduling_policy: str = "fcfs"
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """Recent engine throughput, for ``/load`` and overload protection.
+
+    Attributes:
+        step_time: mean wall seconds of the recent steps (0.0: no step yet).
+        finish_rate: requests finished per second over the recent finishes, counted up to
+            the snapshot (0.0: fewer than two finishes seen, so unknown).
+        num_steps: steps the mean is over.
+        num_finished: finishes the rate is over.
+    """
+
+    step_time: float = 0.0
+    finish_rate: float = 0.0
+    num_steps: int = 0
+    num_finished: int = 0
+
+    def estimated_wait(self, stats: SchedulerStats, max_num_seqs: int,
+                       priority: Optional[int] = None) -> Optional[float]:
+        """Seconds until a new request of ``priority`` would be scheduled, from ``stats``.
+
+        With a free seat and nobody waiting ahead, it is one step (the next one admits it).
+        Otherwise the ``k`` sequences ahead and the request itself each need a seat, and
+        seats free up at ``finish_rate``: ``(k + 1) / finish_rate`` (a queue served at the
+        recent departure rate). KV-cache space, prompt lengths and aging are left out.
+
+        Returns:
+            Seconds, or None when it cannot be estimated yet (no finish rate).
+        """
+        ahead = stats.num_waiting_ahead(priority)
+        if ahead == 0 and stats.num_running_reqs < max_num_seqs:
+            return self.step_time
+        if self.finish_rate <= 0:
+            return None
+        return (ahead + 1) / self.finish_rate
+
+
+class LoadTracker:
+    """The engine thread's record of recent step times and finishes; ``snapshot()`` makes the
+    ``LoadStats`` it publishes.
+
+    Args:
+        window: how many recent steps and finishes to keep.
+    """
+
+    def __init__(self, window: int = 32) -> None:
+        self._step_times: deque[float] = deque(maxlen=window)
+        self._finish_times: deque[float] = deque(maxlen=window)
+
+    def record_step(self, duration: float, num_finished: int, now: float) -> None:
+        """One step took ``duration`` seconds and finished ``num_finished`` requests at
+        ``now`` (monotonic seconds)."""
+        self._step_times.append(duration)
+        self._finish_times.extend([now] * num_finished)
+
+    def snapshot(self, now: float) -> LoadStats:
+        steps, finishes = self._step_times, self._finish_times
+        step_time = math.fsum(steps) / len(steps) if steps else 0.0
+        rate = 0.0
+        if len(finishes) >= 2 and now > finishes[0]:
+            # Up to now, not to the last finish: a rate decays while nothing finishes.
+            rate = (len(finishes) - 1) / (now - finishes[0])
+        return LoadStats(step_time, rate, len(steps), len(finishes))

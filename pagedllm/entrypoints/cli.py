@@ -94,12 +94,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on the API (default: $PAGEDLLM_API_KEY)")
+    group.add_argument("--api-keys-file", default=None, metavar="PATH",
+                       help="JSON list of keys with names and limits: name, key, requests_per_minute, "
+                            "tokens_per_minute, max_concurrent_requests, priority (default: the same JSON "
+                            "in $PAGEDLLM_API_KEYS; see the README)")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use; the first is reported (default: the model path)")
     group.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 429 when this many sequences wait already (default: no limit)")
     group.add_argument("--request-timeout", type=float, default=None,
                        help="abort requests running longer than this many seconds (default: never)")
+    group.add_argument("--max-queue-wait", type=float, default=None, metavar="SECONDS",
+                       help="answer 503 at once when a new request's estimated wait to start exceeds this "
+                            "(or --request-timeout) (default: only --request-timeout)")
     group.add_argument("--drain-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds open requests may still run (default 30)")
     group.add_argument("--disable-dashboard", action="store_true",

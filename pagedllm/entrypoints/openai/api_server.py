@@ -1,13 +1,28 @@
 """The OpenAI-compatible HTTP server: routes, API key, errors, SIGTERM drain (``pagedllm serve``).
 
-Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``, and the live block-pool view
-(``/debug/kv``, ``/debug/kv/stream``, ``/dashboard``; off with ``--disable-dashboard``). With an
-API key, every ``/v1`` and ``/debug`` path and ``/tokenize``/``/detokenize`` need
-``Authorization: Bearer <key>`` (as vLLM); ``/health``, ``/version`` and ``/metrics`` stay open
-for probes and scrapers, and so does ``/dashboard``: a static page with no data in it, which
-sends the key (typed in, or given as ``#key=...``, which browsers never send) on its reads of
-``/debug/kv/stream``.
+Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/v1/requests/{id}/cancel``, ``/health``, ``/livez``, ``/readyz``, ``/load``, ``/version``,
+``/tokenize``, ``/detokenize``, ``/metrics``, and the live block-pool view (``/debug/kv``,
+``/debug/kv/stream``, ``/dashboard``; off with ``--disable-dashboard``). With API keys
+(``--api-key``, ``--api-keys-file``), every ``/v1`` and ``/debug`` path and
+``/tokenize``/``/detokenize`` need ``Authorization: Bearer <key>`` (as vLLM); the probes,
+``/load``, ``/version`` and ``/metrics`` stay open for platforms and scrapers, and so does
+``/dashboard``: a static page with no data in it, which sends the key (typed in, or given as
+``#key=...``, which browsers never send) on its reads of ``/debug/kv/stream``. Per-key limits,
+their headers and 429s: ``api_keys.py``.
+
+Every response carries ``X-Request-Id``: the client's (1-128 printable ASCII characters, no
+spaces) or a new one. It names the request in logs, in the response ``id``
+(``cmpl-<X-Request-Id>``, as vLLM) and in the cancel endpoint, always within the caller's key:
+engine ids are made up by the server, so a client id can neither collide with nor reach
+another key's request.
+
+Health (all read the engine thread's snapshots, never the engine): ``/livez`` is 200 while the
+engine loop runs (503 once it died: restart the process); ``/readyz`` is 200 when it also takes
+requests (503 while draining); ``/health`` is vLLM's and answers as ``/readyz``; ``/load``
+reports running and waiting sequences, KV cache usage, recent step time and finish rate and the
+estimated wait of a new request. Overload protection refuses (503, ``Retry-After``) a request
+whose estimated wait exceeds ``--max-queue-wait`` or ``--request-timeout``.
 
 Every error is OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``, including
 FastAPI's and Starlette's own (404 path, 405 method, a body that is not JSON): never
@@ -27,15 +42,17 @@ import importlib
 import json
 import logging
 import os
-import secrets
+import re
 import socket
 import time
+import uuid
 from http import HTTPStatus
 from pathlib import Path
 from typing import Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -45,18 +62,22 @@ import pagedllm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.api_keys import (DEFAULT_KEY_NAME, APIKey, KeyRing, RateLimiter, load_api_keys,
+                                                  parse_api_keys)
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, SSEResponse, to_openai_error
-from pagedllm.metrics import EngineMetrics
+from pagedllm.entrypoints.openai.serving_engine import (OpenAIError, RequestRegistry, ServerPolicy, SSEResponse,
+                                                        client_context, to_openai_error)
+from pagedllm.metrics import APIKeyMetrics, EngineMetrics
 from pagedllm.models.loader import DEFAULT_MODEL_FILE
 
 logger = logging.getLogger(__name__)
 
 _PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/debug")
 _DASHBOARD_HTML = Path(__file__).with_name("dashboard.html")
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 # vLLM's error type names; other statuses get their phrase ("Payload Too Large" -> PayloadTooLargeError)
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
@@ -132,49 +153,109 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError(400, message, param=param)
 
 
-class _APIKeyMiddleware:
-    """Plain ASGI (not ``BaseHTTPMiddleware``, which would hide client disconnects)."""
+class _ClientMiddleware:
+    """Who is calling, on every HTTP request; plain ASGI (not ``BaseHTTPMiddleware``, which
+    would hide client disconnects).
 
-    def __init__(self, app, api_key: str) -> None:
+    Puts ``client_request_id`` (``X-Request-Id``, checked, or a new one) and ``api_key`` (the
+    caller's ``APIKey``; None when the server has no keys or the path is open) into
+    ``scope["state"]``; answers 401 for a protected path without a known key and 400 for a
+    malformed ``X-Request-Id``; adds ``X-Request-Id`` and the key's ``x-ratelimit-*`` headers
+    to every response, errors included.
+    """
+
+    def __init__(self, app, keyring: KeyRing, limiter: RateLimiter) -> None:
         self.app = app
-        self.expected = api_key.encode()
+        self.keyring = keyring
+        self.limiter = limiter
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
-            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        error: Optional[OpenAIError] = None
+        given = headers.get(b"x-request-id")
+        request_id = given.decode("latin-1") if given is not None else uuid.uuid4().hex
+        if not _REQUEST_ID.fullmatch(request_id):
+            error = OpenAIError(400, "X-Request-Id must be 1-128 printable ASCII characters without spaces, "
+                                     f"got {_short_repr(request_id)}")
+            request_id = uuid.uuid4().hex  # never echo what was refused
+        key: Optional[APIKey] = None
+        if error is None and self.keyring and scope["path"].startswith(_PROTECTED_PREFIXES):
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             # The scheme is case-insensitive (RFC 7235 section 2.1), the key is not.
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token, self.expected):
+            key = self.keyring.find(token) if scheme.lower() == b"bearer" else None
+            if key is None:
                 error = OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                                     "AuthenticationError")
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        state = scope.setdefault("state", {})
+        state["client_request_id"] = request_id
+        state["api_key"] = key
+
+        async def send_with_headers(message) -> None:
+            if message["type"] == "http.response.start":
+                extra = [(b"x-request-id", request_id.encode()), *self.limiter.headers(key)]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        if error is not None:
+            await error.response()(scope, receive, send_with_headers)
+            return
+        await self.app(scope, receive, send_with_headers)
 
 
 def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key: Optional[str] = None,
-              model_root: Optional[str] = None, enable_dashboard: bool = True) -> FastAPI:
+              model_root: Optional[str] = None, api_keys: Sequence[APIKey] = (),
+              max_queue_wait: Optional[float] = None, clock=time.monotonic,
+              enable_dashboard: bool = True) -> FastAPI:
     """The FastAPI application over a started ``AsyncLLMEngine``.
 
     Args:
-        engine: the engine (its ``metrics``, if any, are served at /metrics).
+        engine: the engine (its ``metrics``, if any, are served at /metrics, with the per-key
+            series added).
         served_model_names: names clients may put in ``model``; the first is reported.
-        api_key: required bearer token for the API paths (None: open).
+        api_key: one bearer token without limits, named ``default`` (None: none).
         model_root: what /v1/models reports as ``root`` (default: the first name).
+        api_keys: keys with names and limits (``api_keys.py``). With neither ``api_key`` nor
+            ``api_keys`` the API is open and every caller is ``anonymous``.
+        max_queue_wait: overload protection's limit on a new request's estimated wait,
+            seconds (None: only the engine's ``request_timeout``).
+        clock: the rate limiter's monotonic clock, seconds (tests pass a fake one).
         enable_dashboard: serve ``/debug/kv``, ``/debug/kv/stream`` and ``/dashboard``
             (False: those paths are 404 and the engine never takes a block-pool snapshot).
 
     Raises:
-        ValueError: no served model name.
+        ValueError: no served model name, a key name used twice, a key with a priority
+            under the ``fcfs`` scheduling policy, ``max_queue_wait`` <= 0.
     """
     if not served_model_names:
         raise ValueError("served_model_names must hold at least one name")
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    if max_queue_wait is not None and not max_queue_wait > 0:
+        raise ValueError(f"max_queue_wait must be > 0 seconds, got {max_queue_wait!r}")
+    keys = list(api_keys) + ([APIKey(DEFAULT_KEY_NAME, api_key)] if api_key else [])
+    names = [key.name for key in keys]
+    if len(set(names)) != len(names):
+        raise ValueError(f"API key names must be unique, got {names} (--api-key's key is named "
+                         f"{DEFAULT_KEY_NAME!r})")
     model_info = engine.model_info  # the event loop reads nothing of the LLMEngine itself
-    completions = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names)
+    with_priority = [key.name for key in keys if key.priority not in (None, 0)]
+    if with_priority and model_info.scheduling_policy != "priority":
+        raise ValueError(f"API keys {with_priority} set a priority, which needs --scheduling-policy priority "
+                         f"(the engine schedules {model_info.scheduling_policy!r})")
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    key_metrics = None
+    if engine.metrics is not None:
+        key_metrics = APIKeyMetrics(engine.metrics.registry, engine.metrics.model_name, names)
+    limiter = RateLimiter(keys, clock, key_metrics.record if key_metrics is not None else None)
+    registry = RequestRegistry()
+    policy = ServerPolicy(limiter, registry, max_queue_wait)
+    if key_metrics is not None:
+        policy.record = key_metrics.record
+    completions = OpenAIServingCompletion(engine, served_model_names, policy)
+    chat = OpenAIServingChat(engine, served_model_names, policy)
     created = int(time.time())
-    if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(_ClientMiddleware, keyring=KeyRing(keys), limiter=limiter)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -214,6 +295,49 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key
         if engine.draining:
             return OpenAIError(503, "the server is shutting down", "ServiceUnavailableError").response()
         return Response(status_code=200)
+
+    @app.get("/livez")
+    async def livez() -> Response:
+        if not engine.is_healthy:
+            return OpenAIError(503, f"the engine loop is dead: {engine.dead_error!r}",
+                               "ServiceUnavailableError").response()
+        return JSONResponse({"status": "alive"})
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        if not engine.is_healthy:
+            return OpenAIError(503, f"the engine loop is dead: {engine.dead_error!r}",
+                               "ServiceUnavailableError").response()
+        if engine.draining:
+            return OpenAIError(503, "the server is shutting down", "ServiceUnavailableError").response()
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/load")
+    async def load() -> dict:
+        """The engine thread's newest snapshots (``SchedulerStats``, ``LoadStats``): the same
+        counts as the ``/metrics`` gauges."""
+        stats, recent = engine.stats, engine.load
+        wait = recent.estimated_wait(stats, model_info.max_num_seqs)
+        return {"running": stats.num_running_reqs, "waiting": stats.num_waiting_reqs,
+                "kv_cache_usage": stats.kv_cache_usage, "num_blocks": stats.num_blocks,
+                "num_used_blocks": stats.num_used_blocks, "max_num_seqs": model_info.max_num_seqs,
+                "step_time_s": recent.step_time, "finish_rate": recent.finish_rate,
+                "estimated_wait_s": wait, "open_requests": engine.num_open_requests,
+                "healthy": engine.is_healthy, "draining": engine.draining}
+
+    @app.post("/v1/requests/{request_id}/cancel")
+    async def cancel(raw_request: Request, request_id: str = PathParam(
+            min_length=1, max_length=160, pattern=r"^[\x21-\x7e]+$",
+            description="an X-Request-Id or a response id (cmpl-..., chatcmpl-...)")) -> dict:
+        """Abort the caller's open requests known by ``request_id`` (their ``X-Request-Id`` or
+        response ``id``); their clients get what was generated, finish reason ``abort``.
+        Another key's request is not found (404), as a finished one."""
+        context = client_context(raw_request)
+        cancelled = registry.cancel(context.key_name, request_id)
+        if not cancelled:
+            raise OpenAIError(404, f"no open request {request_id!r} of this API key", "NotFoundError")
+        logger.info("cancelled %d request(s) %r of key %s", cancelled, request_id, context.key_name)
+        return {"id": request_id, "object": "request.cancelled", "cancelled": cancelled}
 
     @app.get("/version")
     async def version() -> dict:
@@ -367,10 +491,17 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
 
     Raises:
         ValueError: a bad option (engine options, --max-waiting-requests, --request-timeout,
-            --drain-timeout) or a configuration that cannot run.
+            --drain-timeout, --max-queue-wait, the keys file) or a configuration that cannot run.
     """
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    if args.max_queue_wait is not None and not args.max_queue_wait > 0:
+        raise ValueError(f"--max-queue-wait must be > 0 seconds, got {args.max_queue_wait}")
+    api_keys = []
+    if args.api_keys_file:
+        api_keys = load_api_keys(args.api_keys_file)
+    elif os.environ.get("PAGEDLLM_API_KEYS"):
+        api_keys = parse_api_keys(os.environ["PAGEDLLM_API_KEYS"], "$PAGEDLLM_API_KEYS")
     check_port_free(args.host, args.port)  # before seconds of model loading, not after
     engine_args = EngineArgs.from_kwargs(**engine_kwargs)
     engine = _build_engine(args, engine_args)
@@ -380,6 +511,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     async_engine = AsyncLLMEngine(engine, metrics, args.max_waiting_requests, args.request_timeout)
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     app = build_app(async_engine, names, api_key, model_root=str(args.model or DEFAULT_MODEL_FILE),
+                    api_keys=api_keys, max_queue_wait=args.max_queue_wait,
                     enable_dashboard=not args.disable_dashboard)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             access_log=False, timeout_graceful_shutdown=5)

@@ -74,6 +74,7 @@ class _SamplingFields(OpenAIBaseModel):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    priority: Optional[Int] = None  # vLLM's: lower runs first under --scheduling-policy priority
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int]) -> SamplingParams:

@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing, SSEResponse,
-                                                        close_all, collect_final, merge_streams, now_seconds,
-                                                        random_id, run_until_disconnect,
+                                                        collect_final, merge_streams, now_seconds,
+                                                        run_until_disconnect,
                                                         sampling_params_error, sse, sse_with_errors, usage)
 from pagedllm.entrypoints.openai.tool_calls import (ToolCall, check_tools, constraint_schema, held_back, parse_auto,
                                                     parse_forced, template_messages_arguments)
@@ -86,18 +86,22 @@ class OpenAIServingChat(OpenAIServing):
             # Compact: arguments are for programs, and free whitespace lets a weak model
             # spend max_tokens on it.
             params.structured_outputs = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
-        request_id = random_id("chatcmpl")
         created = now_seconds()
         prompt = {"prompt_token_ids": token_ids, "prompt": text}
-        streams = await self.add_requests(request_id, [prompt], params, request.cache_salt)
+        submission = await self.submit(raw_request, "chatcmpl", [prompt], params, request.cache_salt,
+                                       request.priority)
+        request_id, streams = submission.response_id, submission.streams
         if request.stream:
             chunks = self._stream(request, request_id, created, streams[0], mode, named)
-            return SSEResponse(sse_with_errors(chunks), close_all(streams))
+            return SSEResponse(sse_with_errors(chunks), submission.close)
 
         async def respond() -> Response:
             (final,) = await collect_final(streams)
             return JSONResponse(self._response(request, request_id, created, final, mode, named))
-        return await run_until_disconnect(raw_request, respond)
+        try:
+            return await run_until_disconnect(raw_request, respond)
+        finally:  # before the response goes out, so that the client's next request sees the refund
+            submission.close()
 
     @staticmethod
     def _tool_calls(completion: CompletionOutput, mode: str, named: Optional[dict]) -> tuple[Any, list, Any]:

@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing, SSEResponse,
-                                                        close_all, collect_final, merge_streams, now_seconds,
-                                                        random_id, run_until_disconnect,
+                                                        collect_final, merge_streams, now_seconds,
+                                                        run_until_disconnect,
                                                         sampling_params_error, sse, sse_with_errors, usage)
 from pagedllm.outputs import Logprob, RequestOutput
 
@@ -37,17 +37,20 @@ class OpenAIServingCompletion(OpenAIServing):
             params = request.sampling_params(request.max_tokens, request.logprobs, prompt_logprobs)
         except ValueError as exc:
             raise sampling_params_error(exc) from exc
-        request_id = random_id("cmpl")
         created = now_seconds()
-        streams = await self.add_requests(request_id, prompts, params, request.cache_salt)
+        submission = await self.submit(raw_request, "cmpl", prompts, params, request.cache_salt, request.priority)
+        request_id, streams = submission.response_id, submission.streams
         if request.stream:
             chunks = self._stream(request, request_id, created, streams)
-            return SSEResponse(sse_with_errors(chunks), close_all(streams))
+            return SSEResponse(sse_with_errors(chunks), submission.close)
 
         async def respond() -> Response:
             finals = await collect_final(streams)
             return JSONResponse(self._response(request, request_id, created, finals))
-        return await run_until_disconnect(raw_request, respond)
+        try:
+            return await run_until_disconnect(raw_request, respond)
+        finally:  # before the response goes out, so that the client's next request sees the refund
+            submission.close()
 
     def _engine_prompts(self, prompt: Any) -> list:
         if isinstance(prompt, str):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,8 +21,11 @@ from pagedllm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, Engin
                                           QueueFullError, RequestFailedError, RequestStream,
                                           RequestTimeoutError)
 from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.entrypoints.openai.api_keys import ANONYMOUS, Admission, APIKey, RateLimiter, RateLimitError
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAIError(Exception):
@@ -74,8 +79,10 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return OpenAIError(400, str(exc))
     if isinstance(exc, QueueFullError):
         return OpenAIError(429, str(exc), "RateLimitError", headers={"Retry-After": "1"})
-    if isinstance(exc, (EngineDrainingError, EngineDeadError)):
+    if isinstance(exc, EngineDrainingError):
         return OpenAIError(503, str(exc), "ServiceUnavailableError")
+    if isinstance(exc, EngineDeadError):  # a restart takes about a model load
+        return OpenAIError(503, str(exc), "ServiceUnavailableError", headers={"Retry-After": "30"})
     if isinstance(exc, RequestTimeoutError):
         return OpenAIError(504, str(exc), "TimeoutError")
     if isinstance(exc, RequestFailedError):  # the engine ended the request and keeps serving
@@ -95,15 +102,122 @@ class ChoiceState:
     finished: bool = False
 
 
+@dataclass(frozen=True)
+class ClientContext:
+    """Who sent a request, as the server's middleware found it (``scope["state"]``).
+
+    Attributes:
+        key: the caller's API key (None: the server has no keys; the caller is anonymous).
+        request_id: the client's ``X-Request-Id``, or one the server made up. Only ever
+            compared within the same key, never used as an engine id.
+    """
+
+    key: Optional[APIKey]
+    request_id: str
+
+    @property
+    def key_name(self) -> str:
+        return self.key.name if self.key is not None else ANONYMOUS
+
+
+def client_context(raw_request: Request) -> ClientContext:
+    state = raw_request.scope.get("state") or {}
+    return ClientContext(state.get("api_key"), state.get("client_request_id") or uuid.uuid4().hex)
+
+
+class Submission:
+    """One API request's engine requests, its rate-limit admission and its place in the
+    registry. ``close()`` (idempotent) ends all three: unfinished engine requests are aborted,
+    the key is charged the tokens of the outputs the client got, the id is forgotten."""
+
+    def __init__(self, context: ClientContext, response_id: str, streams: list[RequestStream],
+                 admission: Admission, registry: "RequestRegistry") -> None:
+        self.context = context
+        self.response_id = response_id
+        self.streams = streams
+        self.admission = admission
+        self.registry = registry
+        self.ids = tuple(dict.fromkeys((context.request_id, response_id)))
+        self.closed = False
+
+    def cancel(self) -> None:
+        """Abort every engine request: each reader gets its final output (finish reason
+        ``"abort"``)."""
+        for stream in self.streams:
+            stream.abort()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for stream in self.streams:
+            stream.close()
+        used = usage([stream.last_output for stream in self.streams])["total_tokens"]
+        self.admission.finish(used)
+        self.registry.remove(self)
+        logger.info("request %s (X-Request-Id %r, key %s) ended: %d tokens", self.response_id,
+                    self.context.request_id, self.context.key_name, used)
+
+
+class RequestRegistry:
+    """The open API requests by ``(key name, id)``, ``id`` being the client's
+    ``X-Request-Id`` or the response ``id``: what ``POST /v1/requests/{id}/cancel`` looks up.
+    A key only ever finds its own requests. Event loop thread only."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[str, str], list[Submission]] = {}
+
+    def add(self, submission: Submission) -> None:
+        for request_id in submission.ids:
+            self._open.setdefault((submission.context.key_name, request_id), []).append(submission)
+
+    def remove(self, submission: Submission) -> None:
+        for request_id in submission.ids:
+            entry = (submission.context.key_name, request_id)
+            submissions = self._open.get(entry, [])
+            if submission in submissions:
+                submissions.remove(submission)
+            if not submissions:
+                self._open.pop(entry, None)
+
+    def cancel(self, key_name: str, request_id: str) -> int:
+        """Abort the open requests of ``key_name`` known by ``request_id``; returns how many."""
+        submissions = list(self._open.get((key_name, request_id), []))
+        for submission in submissions:
+            submission.cancel()
+        return len(submissions)
+
+
+@dataclass
+class ServerPolicy:
+    """What the server enforces around the engine (one instance shared by every handler).
+
+    Attributes:
+        limiter: per-key limits.
+        registry: open requests, for cancellation.
+        max_queue_wait: refuse (503) a request whose estimated wait exceeds this many seconds
+            (None: only ``request_timeout`` bounds it).
+        record: metrics' ``(key name, outcome, 1)`` for each request the engine accepted
+            (``admitted``) or overload protection refused (``overloaded``).
+    """
+
+    limiter: RateLimiter
+    registry: RequestRegistry
+    max_queue_wait: Optional[float] = None
+    record: Callable[[str, str, int], None] = lambda key_name, outcome, count: None
+
+
 class OpenAIServing:
     """Base of the completion and chat handlers.
 
     Args:
         engine: the running ``AsyncLLMEngine``.
         served_model_names: names accepted in ``model``; the first one is reported.
+        policy: limits, cancellation registry and overload settings (default: none).
     """
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: Sequence[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: Sequence[str],
+                 policy: Optional[ServerPolicy] = None) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]
@@ -111,6 +225,7 @@ class OpenAIServing:
         # Stateless over the fixed model info: this thread tokenizes as the engine would.
         self.input_processor = InputProcessor(engine.model_info)
         self.max_model_len = engine.model_info.max_model_len
+        self.policy = policy or ServerPolicy(RateLimiter([]), RequestRegistry())
 
     def check_model(self, model: Optional[str]) -> None:
         """Raises: OpenAIError 404 for a model this server does not serve."""
@@ -146,24 +261,105 @@ class OpenAIServing:
             raise OpenAIError(400, f"{what} needs a tokenizer and this model has none: send token ids")
         return self.tokenizer
 
-    async def add_requests(self, request_id: str, prompts: Sequence[PromptType], params: SamplingParams,
-                           cache_salt: Optional[str]) -> list[RequestStream]:
-        """Add one engine request per prompt (ids ``{request_id}-{i}``); all or none.
+    def resolve_priority(self, requested: Optional[int], key: Optional[APIKey]) -> int:
+        """The request's ``priority``: its own, else its key's, else 0.
 
         Raises:
-            OpenAIError: 400, 429, 503 as the engine refuses (the ones already added are aborted).
+            OpenAIError 400: a priority more urgent (lower) than its key's.
         """
+        floor = key.priority if key is not None else None
+        if requested is None:
+            return floor or 0
+        if floor is not None and requested < floor:
+            raise OpenAIError(400, f"priority {requested} is more urgent than API key {key.name!r} may ask "
+                                   f"for: its requests may use priority >= {floor}", param="priority")
+        return requested
+
+    def request_cost(self, prompts: Sequence[PromptType], params: SamplingParams) -> int:
+        """Tokens a request reserves: over its prompts, ``prompt tokens + n * max_tokens``
+        (``max_tokens`` resolved as the engine resolves it).
+
+        Raises:
+            OpenAIError 400: a prompt the engine would refuse for its length or encoding.
+        """
+        cost = 0
+        try:
+            for prompt in prompts:
+                _, token_ids = self.input_processor.tokenize(prompt)
+                cost += len(token_ids) + params.n * self.input_processor.resolve_max_tokens(
+                    len(token_ids), params.max_tokens)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc)) from exc
+        return cost
+
+    def check_overload(self, priority: int) -> None:
+        """Refuse at once what cannot start in time: the estimated wait of a new request of
+        ``priority`` (``LoadStats.estimated_wait``, from the engine thread's snapshots)
+        against ``max_queue_wait`` and the server's ``request_timeout``.
+
+        Raises:
+            OpenAIError 503: with ``Retry-After`` (whole seconds by which the wait exceeds the
+                limit, at least 1).
+        """
+        limits = [limit for limit in (self.policy.max_queue_wait, self.engine.request_timeout) if limit is not None]
+        if not limits or not self.engine.is_healthy or self.engine.draining:
+            return  # the engine refuses those itself, with their own reasons
+        limit = min(limits)
+        info = self.engine.model_info
+        wait = self.engine.load.estimated_wait(self.engine.stats, info.max_num_seqs,
+                                               priority if info.scheduling_policy == "priority" else None)
+        if wait is not None and wait > limit:
+            raise OpenAIError(503, f"the server is overloaded: a new request would wait about {wait:.1f} s to "
+                                   f"start, more than the {limit:g} s allowed: retry later",
+                              "ServiceUnavailableError",
+                              headers={"Retry-After": str(max(1, math.ceil(wait - limit)))})
+
+    async def submit(self, raw_request: Request, prefix: str, prompts: Sequence[PromptType],
+                     params: SamplingParams, cache_salt: Optional[str],
+                     priority: Optional[int]) -> Submission:
+        """Admit a request and add one engine request per prompt, all or none.
+
+        In order: the key's priority rule (400), its rate limits (429), overload protection
+        (503), then the engine (400, 429 queue full, 503 draining or dead). The response id is
+        ``{prefix}-{X-Request-Id}`` (vLLM's form); engine ids are ``{key name}/{uuid}-{i}``,
+        never derived from the client's id, so no client can name or collide with another's.
+
+        Raises:
+            OpenAIError: as above; what was taken is given back.
+        """
+        context = client_context(raw_request)
+        priority = self.resolve_priority(priority, context.key)
+        limiter = self.policy.limiter
+        cost = self.request_cost(prompts, params) if limiter.counts_tokens(context.key) else 0
+        try:
+            admission = limiter.admit(context.key, cost)
+        except RateLimitError as exc:
+            headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+            raise OpenAIError(429, str(exc), "RateLimitError", headers=headers) from None
+        response_id = f"{prefix}-{context.request_id}"
         streams: list[RequestStream] = []
         try:
+            try:
+                self.check_overload(priority)
+            except OpenAIError:
+                self.policy.record(context.key_name, "overloaded", 1)
+                raise
+            base = f"{context.key_name}/{uuid.uuid4().hex}"
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params, cache_salt))
+                streams.append(await self.engine.add_request(f"{base}-{i}", prompt, params, cache_salt, priority))
         except BaseException as exc:
             for stream in streams:
                 stream.close()
+            admission.cancel()
             if isinstance(exc, Exception):
                 raise to_openai_error(exc) from exc
             raise
-        return streams
+        self.policy.record(context.key_name, "admitted", 1)
+        submission = Submission(context, response_id, streams, admission, self.policy.registry)
+        self.policy.registry.add(submission)
+        logger.info("request %s (X-Request-Id %r, key %s): %d prompt(s), priority %d, %d tokens reserved",
+                    response_id, context.request_id, context.key_name, len(prompts), priority, cost)
+        return submission
 
     def decode_token(self, token_id: int, logprob: Optional[Logprob] = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
@@ -171,10 +367,6 @@ class OpenAIServing:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now_seconds() -> int:
@@ -258,13 +450,6 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-
-
-def close_all(streams: Sequence[RequestStream]) -> Callable[[], None]:
-    def close() -> None:
-        for stream in streams:
-            stream.close()
-    return close
 
 
 async def run_until_disconnect(request: Request, handler: Callable[[], Any]) -> Response:
