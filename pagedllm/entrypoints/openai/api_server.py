@@ -41,6 +41,7 @@ import pagedllm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.request_log import RequestLog
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -332,7 +333,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     names = args.served_model_name or [args.model or Path(DEFAULT_MODEL_FILE).stem]
     metrics = EngineMetrics(names[0], engine.max_model_len, engine_args.max_num_seqs,
                             engine_args.max_num_batched_tokens)
-    async_engine = AsyncLLMEngine(engine, metrics, args.max_waiting_requests, args.request_timeout)
+    request_log = RequestLog(args.request_log) if getattr(args, "request_log", None) else None
+    async_engine = AsyncLLMEngine(engine, metrics, args.max_waiting_requests, args.request_timeout, request_log)
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     app = build_app(async_engine, names, api_key, model_root=str(args.model or DEFAULT_MODEL_FILE))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
