@@ -8,8 +8,10 @@ dtype) with the same trace and configuration:
    16,384-token KV cache (1,024 blocks of 16; ``bench/memory.py``'s budget), so that
    requests are preempted.
 2. **shared prefix**: 48 requests over 4 system prompts of 256 tokens each, a unique suffix of
-   16-96 tokens and 16-96 output tokens, arriving as a Poisson process (``--rate`` requests/s,
-   replayed in real time by the engine), prefix caching on, 384 blocks of 16.
+   16-96 tokens and 16-96 output tokens, prefix caching on, 384 blocks of 16; once all
+   arriving at t=0, once as a Poisson process (``--rate`` requests/s, which the engine serves
+   in real time: which step a request joins then depends on how well the cost model predicts
+   the machine's speed at that moment).
 
 For each it prints predicted and measured peak blocks in use, preemptions, peak and mean
 concurrency, prefix-cache hits, elapsed time and output throughput. The engine is measured
@@ -29,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -47,7 +50,9 @@ def throughput_trace(tokenizer) -> list[TraceRequest]:
             for index, r in enumerate(build_workload(tokenizer))]
 
 
-def shared_prefix_trace(tokenizer, rate: float, num_requests: int = 48, seed: int = 0) -> list[TraceRequest]:
+def shared_prefix_trace(tokenizer, rate: Optional[float], num_requests: int = 48, seed: int = 0) -> list[TraceRequest]:
+    """Requests over 4 system prompts of 256 tokens; all at t=0 when ``rate`` is None, else
+    Poisson arrivals at ``rate`` requests/s."""
     tokens = tokenizer.encode(TEXT_PATH.read_text(), add_special_tokens=False)
     rng = random.Random(seed)
 
@@ -61,7 +66,7 @@ def shared_prefix_trace(tokenizer, rate: float, num_requests: int = 48, seed: in
         group = rng.randrange(len(prefixes))
         trace.append(TraceRequest(f"s{index}", round(arrival, 4), tuple(prefixes[group] + cut(rng.randint(16, 96))),
                                   rng.randint(16, 96), f"sys{group}", index + 1))
-        arrival += rng.expovariate(rate)
+        arrival += rng.expovariate(rate) if rate else 0.0
     return trace
 
 
@@ -170,14 +175,16 @@ def main() -> int:
                predict(trace, config, cost_model), run_engine(engine, trace))
         del engine
     if args.skip != "shared-prefix":
-        trace = shared_prefix_trace(tokenizer, args.rate)
         config = PlanConfig(max_model_len=2048, num_blocks=384, block_size=16, max_num_seqs=256,
                             max_num_batched_tokens=2048, enable_prefix_caching=True)
-        engine = fresh_engine(model, tokenizer, num_gpu_blocks_override=384, max_model_len=2048,
-                              enable_prefix_caching=True)
-        report(f"shared-prefix workload: 48 requests over 4 prefixes of 256 tokens, Poisson {args.rate} req/s "
-               f"({trace[-1].arrival_time:.1f} s), 384 blocks of 16, prefix caching on",
-               predict(trace, config, cost_model), run_engine(engine, trace))
+        for rate in (None, args.rate):
+            trace = shared_prefix_trace(tokenizer, rate)
+            engine = fresh_engine(model, tokenizer, num_gpu_blocks_override=384, max_model_len=2048,
+                                  enable_prefix_caching=True)
+            arrivals = "at t=0" if rate is None else f"Poisson {rate} req/s over {trace[-1].arrival_time:.1f} s"
+            report(f"shared-prefix workload: 48 requests over 4 prefixes of 256 tokens, {arrivals}, "
+                   "384 blocks of 16, prefix caching on", predict(trace, config, cost_model), run_engine(engine, trace))
+            del engine
     return 0
 
 

@@ -148,11 +148,18 @@ def recommend(rows: Sequence[SweepRow]) -> tuple[int, str]:
     refused = (f"all {m.num_requests} requests are served" if not m.num_rejected else
                f"{m.num_requests - m.num_rejected} of {m.num_requests} requests are served ({m.num_rejected} "
                "fit no configuration swept)")
-    cheaper = sorted({rows[i].config.kv_cache_bytes for i in candidates
-                      if (rows[i].config.kv_cache_bytes or 0) < (config.kv_cache_bytes or 0)})
-    why_memory = ("it is the smallest KV budget swept" if not cheaper else
-                  f"smaller budgets ({', '.join(format_size(b) for b in cheaper)}) lose more than 5 % of "
-                  "throughput or p95 TTFT")
+    budget = config.kv_cache_bytes or 0
+    cheaper_good = sorted({rows[i].config.kv_cache_bytes for i in candidates if (rows[i].config.kv_cache_bytes or 0) < budget})
+    cheaper_any = sorted({row.config.kv_cache_bytes for row in rows if (row.config.kv_cache_bytes or 0) < budget})
+    if cheaper_good:
+        why_memory = (f"smaller budgets ({', '.join(format_size(b) for b in cheaper_good)}) lose more than 5 % of "
+                      "throughput or p95 TTFT")
+    elif cheaper_any:
+        why_memory = (f"smaller budgets ({', '.join(format_size(b) for b in cheaper_any)}) reject more requests "
+                      "as never fitting")
+    else:
+        why_memory = "it is the smallest KV budget swept"
+    contiguous = m.contiguous_max_len_concurrency
     paragraph = (
         f"Recommended: max_model_len={config.max_model_len}, KV cache {format_size(config.kv_cache_bytes or 0)} "
         f"({config.num_blocks} blocks of {config.block_size} tokens), max_num_seqs={config.max_num_seqs}, "
@@ -165,7 +172,7 @@ def recommend(rows: Sequence[SweepRow]) -> tuple[int, str]:
         + (f"; the prefix cache supplies {m.prefix_cache_saved:.0%} of the prompt tokens" if
            config.enable_prefix_caching and m.prefix_cache_saved > 0 else "")
         + f". A contiguous cache reserving max_model_len per request would hold only "
-          f"{m.contiguous_max_len_concurrency} requests in the same memory and leave "
+          f"{contiguous} request{'s' if contiguous != 1 else ''} in the same memory and leave "
           f"{m.contiguous_max_len_waste:.0%} of its reservation empty (paged: {m.paged_waste:.0%}).")
     return chosen, paragraph
 
