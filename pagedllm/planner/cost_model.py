@@ -226,7 +226,8 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def calibration_workload(vocab_size: int, max_num_seqs: int, max_len: int, seed: int = 0) -> list[list[tuple[list[int], int]]]:
+def calibration_workload(vocab_size: int, max_num_seqs: int, max_len: int,
+                         seed: int = 0) -> list[list[tuple[list[int], int]]]:
     """Phases of ``(prompt token ids, max_tokens)`` requests, each phase run to completion:
     lone prefills of 32 to 1024 tokens, decode batches of 1 to 32 sequences at short and long
     contexts, and a staggered phase whose steps mix decodes with prefill chunks."""

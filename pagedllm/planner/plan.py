@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from pagedllm.planner.cost_model import CostModel, calibrate
-from pagedllm.planner.sweep import (SweepSpace, build_configs, default_max_model_lens, format_size, format_table,
+from pagedllm.planner.sweep import (SweepSpace, build_configs, default_max_model_lens, format_table,
                                     parse_size, recommend, rejection_lines, run_sweep, write_plots)
 from pagedllm.planner.trace import load_trace
 
@@ -85,13 +85,13 @@ def default_cost_model_path(args: argparse.Namespace) -> Path:
 
 
 def calibrate_model(args: argparse.Namespace, log: Callable[[str], None]) -> CostModel:
-    """Load the model, measure its step times (~20-30 s) and the KV budget the engine would
-    take by default here."""
+    """Load the model, measure its step times (~100 steps; 80 s on 2 shared cores) and the KV
+    budget the engine would take by default here."""
     from pagedllm.config import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.worker.kv_cache_sizing import bytes_per_block, determine_num_blocks
 
-    log("calibrating the cost model: loading the model and timing ~200 steps")
+    log("calibrating the cost model: loading the model and timing ~100 steps")
     common = dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
                   kv_cache_dtype=args.kv_cache_dtype)
     engine = LLMEngine(EngineArgs.from_kwargs(**common, kv_cache_memory_bytes=CALIBRATION_KV_BYTES,

@@ -149,7 +149,8 @@ def recommend(rows: Sequence[SweepRow]) -> tuple[int, str]:
                f"{m.num_requests - m.num_rejected} of {m.num_requests} requests are served ({m.num_rejected} "
                "fit no configuration swept)")
     budget = config.kv_cache_bytes or 0
-    cheaper_good = sorted({rows[i].config.kv_cache_bytes for i in candidates if (rows[i].config.kv_cache_bytes or 0) < budget})
+    cheaper_good = sorted({rows[i].config.kv_cache_bytes for i in candidates
+                           if (rows[i].config.kv_cache_bytes or 0) < budget})
     cheaper_any = sorted({row.config.kv_cache_bytes for row in rows if (row.config.kv_cache_bytes or 0) < budget})
     if cheaper_good:
         why_memory = (f"smaller budgets ({', '.join(format_size(b) for b in cheaper_good)}) lose more than 5 % of "
@@ -195,7 +196,8 @@ def format_table(rows: Sequence[SweepRow], chosen: Optional[int] = None) -> str:
         cells = (f"{index + 1}{'*' if index == chosen else ''}", c.max_model_len, format_size(c.kv_cache_bytes or 0),
                  c.num_blocks, c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
                  "on" if c.enable_prefix_caching else "off", m.num_rejected,
-                 f"{m.peak_concurrency}/{m.mean_concurrency:.1f}", f"{m.peak_blocks} {m.peak_blocks / m.num_blocks:.0%}",
+                 f"{m.peak_concurrency}/{m.mean_concurrency:.1f}",
+                 f"{m.peak_blocks} {m.peak_blocks / m.num_blocks:.0%}",
                  m.num_preemptions, f"{m.queue_delay_p95:.3f}",
                  f"{m.ttft_p50:.3f}/{m.ttft_p95:.3f}/{m.ttft_p99:.3f}",
                  f"{m.tpot_p50 * 1e3:.1f}/{m.tpot_p95 * 1e3:.1f}", f"{m.throughput:.1f}",
