@@ -355,3 +355,28 @@ def test_server_request_log_is_a_trace_that_replays(tmp_path):
     assert 0 <= records[0]["arrival"] <= records[1]["arrival"] <= records[2]["arrival"]
     trace = load_trace(lines, TINY_VOCAB)
     assert [r.num_tokens for r in trace] == [23, 20, 5]
+
+
+def test_serve_request_log_flag_writes_the_trace(tmp_path):
+    """``pagedllm serve --request-log``: one line per finished request, replayable."""
+    import httpx
+
+    from tests.test_server import ServerProcess
+
+    log = tmp_path / "requests.jsonl"
+    server = ServerProcess("--engine-factory", "tests.test_server:tiny_chat_engine", "--served-model-name", "x",
+                           "--dtype", "float32",
+                           "--max-model-len", "256", "--kv-cache-memory-bytes", str(4 * 2**20),
+                           "--request-log", str(log), log_path=tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        for prompt, max_tokens in (([11, 12, 13, 14, 15], 6), ([21, 22], 3)):
+            response = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": "x", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+            assert response.status_code == 200, response.text
+    finally:
+        assert server.stop() == 0, (tmp_path / "server.log").read_text()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["prompt_tokens"], r["output_tokens"]) for r in records] == [(5, 6), (2, 3)]
+    assert records[0]["arrival"] <= records[1]["arrival"]
+    assert [r.num_tokens for r in load_trace(log, 49152)] == [11, 5]
