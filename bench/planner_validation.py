@@ -159,7 +159,7 @@ def main() -> int:
             cost_model.save(args.cost_model)
     calibration = cost_model.calibration
     print(f"cost model: {calibration.get('steps')} steps measured in {calibration.get('seconds')} s on "
-          f"{calibration.get('cpu')}, {calibration.get('threads')} threads; median step error "
+          f"{calibration.get('cpu')}, torch threads {calibration.get('threads')}; median step error "
           f"{calibration.get('median_relative_error', 0):.1%}; torch threads now {torch.get_num_threads()}")
     model, tokenizer = calibration_engine.model, calibration_engine.tokenizer
     del calibration_engine

@@ -148,7 +148,7 @@ def main(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         f"{num_prompt} prompt tokens, {num_output} output tokens, longest {max(r.num_tokens for r in trace)} tokens")
     log(f"model: {facts.model or 'default'} ({facts.dtype}, KV {facts.kv_cache_dtype}, "
         f"{facts.bytes_per_block(16) // 16} bytes per token); step times calibrated on "
-        f"{calibration.get('cpu', 'an unknown CPU')} ({calibration.get('threads', '?')} threads)")
+        f"{calibration.get('cpu', 'an unknown CPU')} (torch threads: {calibration.get('threads', '?')})")
     rows = run_sweep(trace, configs, cost_model)
     chosen, paragraph = recommend(rows)
     log("")
