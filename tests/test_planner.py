@@ -380,3 +380,23 @@ def test_serve_request_log_flag_writes_the_trace(tmp_path):
     assert [(r["prompt_tokens"], r["output_tokens"]) for r in records] == [(5, 6), (2, 3)]
     assert records[0]["arrival"] <= records[1]["arrival"]
     assert [r.num_tokens for r in load_trace(log, 49152)] == [11, 5]
+
+
+def test_calibrate_times_the_engine_steps_and_fits_every_sample(tmp_path):
+    from pagedllm.planner.cost_model import calibrate
+    engine = make_tiny_engine(num_gpu_blocks_override=4096, max_model_len=2048, max_num_seqs=32,
+                              max_num_batched_tokens=2048, enable_prefix_caching=False)
+    model = calibrate(engine, default_kv_cache_bytes=12345, log=lambda line: None)
+    samples = model.calibration["samples"]
+    assert model.calibration["steps"] == len(samples) > 50
+    assert model.calibration["sample_fields"] == ["prefill_tokens", "prefill_seqs", "prefill_attention", "decode_seqs",
+                                                  "decode_context", "seconds"]
+    # The lone prefills come first: one step of n prompt tokens, then one decode of context n + 1.
+    assert [tuple(s[:2]) for s in samples[:4:2]] == [(32, 1), (128, 1)]
+    assert samples[1][3:5] == [1, 33]
+    assert all(value >= 0 for value in model.coefficients.values()) and model.step_time(StepShape(decode_seqs=1)) > 0
+    assert (model.facts.num_layers, model.facts.num_kv_heads, model.facts.head_dim, model.facts.vocab_size,
+            model.facts.kv_element_bytes, model.facts.default_kv_cache_bytes) == (2, 2, 16, TINY_VOCAB, 4, 12345)
+    assert not engine.has_unfinished_requests() and "schedule" not in vars(engine.scheduler)
+    model.save(tmp_path / "cost.json")
+    assert CostModel.load(tmp_path / "cost.json").coefficients == model.coefficients
