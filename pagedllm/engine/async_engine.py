@@ -50,6 +50,7 @@ from typing import AsyncIterator, Optional, Union
 
 from pagedllm.engine.kv_snapshot import KVCacheSnapshot
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.request_log import RequestLog
 from pagedllm.engine.stats import LoadStats, LoadTracker, ModelInfo, SchedulerStats
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import RequestOutput
@@ -214,6 +215,8 @@ class AsyncLLMEngine:
             waits, so that an ``n`` above the limit is not refused forever.
         request_timeout: seconds after arrival at which a request is aborted with
             ``RequestTimeoutError`` (None: never).
+        request_log: where finished requests are logged for ``pagedllm plan`` (None: nowhere);
+            written by the engine thread, closed by ``shutdown``.
 
     Raises:
         ValueError: ``max_waiting_requests`` < 1 or ``request_timeout`` <= 0.
@@ -221,7 +224,7 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine, metrics: Optional[EngineMetrics] = None,
                  max_waiting_requests: Optional[int] = None,
-                 request_timeout: Optional[float] = None) -> None:
+                 request_timeout: Optional[float] = None, request_log: Optional[RequestLog] = None) -> None:
         if max_waiting_requests is not None and (isinstance(max_waiting_requests, bool) or
                                                  not isinstance(max_waiting_requests, int) or
                                                  max_waiting_requests < 1):
@@ -236,6 +239,7 @@ class AsyncLLMEngine:
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self.request_timeout = request_timeout
+        self.request_log = request_log
         self.dead_error: Optional[BaseException] = None
         self.draining = False
         self.kv_snapshot: Optional[KVCacheSnapshot] = None
@@ -378,6 +382,8 @@ class AsyncLLMEngine:
         if self._thread.is_alive():
             self._commands.put(_STOP)
             self._thread.join(timeout)
+        if self.request_log is not None and not self._thread.is_alive():
+            self.request_log.close()
 
     # ----------------------------------------------------------------------------- engine thread
     def _run(self) -> None:
@@ -480,6 +486,8 @@ class AsyncLLMEngine:
             self._entries[command.engine_request_id] = _Entry(command.stream, command.loop, deadline)
             if self.metrics is not None:
                 self.metrics.request_added(command.engine_request_id, command.arrival_time)
+            if self.request_log is not None:
+                self.request_log.added(command.engine_request_id, command.arrival_time)
             self._publish_stats()
             self._kv_changed = True
         _call_soon(command.loop, _resolve, command.ack, error)
@@ -512,6 +520,8 @@ class AsyncLLMEngine:
         # One wake-up of each event loop per step, not one per request.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, _Item]]] = {}
         for output in outputs:
+            if output.finished and self.request_log is not None:
+                self.request_log.finished(output)
             entry = self._entries.get(output.request_id)
             if entry is None:
                 continue

