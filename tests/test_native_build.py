@@ -36,6 +36,20 @@ def test_build_directory_depends_on_cpu_flags_and_sources(monkeypatch):
     assert build_directory() not in (first, other_cpu)
 
 
+def test_two_checkouts_of_the_same_sources_build_in_two_folders(tmp_path, monkeypatch):
+    """ninja's build file holds the sources' absolute paths: a shared folder would rebuild
+    whenever the other checkout loads."""
+    first = build_directory()
+    copies = []
+    for source in ops_module.SOURCES:
+        copy = tmp_path / "csrc" / source.name
+        copy.parent.mkdir(exist_ok=True)
+        copy.write_bytes(source.read_bytes())
+        copies.append(copy)
+    monkeypatch.setattr(ops_module, "SOURCES", copies)
+    assert build_directory() != first
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64-v3 is an x86 target")
 def test_portable_build_passes_the_op_tests():
     """The C++ ops built for AVX2 without AVX-512 (``PAGEDLLM_MARCH=x86-64-v3``), so that the

@@ -45,11 +45,13 @@ def _cpu_flags() -> str:
 
 
 def build_directory() -> Path:
-    """Where the extension is built: one folder per (sources, headers, flags, torch version,
-    CPU flags) under torch's extension root (``$TORCH_EXTENSIONS_DIR``, default
+    """Where the extension is built: one folder per (sources, headers, their folder, flags,
+    torch version, CPU flags) under torch's extension root (``$TORCH_EXTENSIONS_DIR``, default
     ``~/.cache/torch_extensions``).
 
-    Two checkouts with different sources never rewrite each other's build files, and a build
+    Two checkouts never rewrite each other's build files: ninja's build file names the sources
+    by absolute path, so two checkouts of the same sources sharing a folder would rebuild on
+    every switch (seen with several git worktrees: minutes of waiting on the build lock). A build
     made with ``-march=native`` on one CPU is never loaded on a CPU that lacks its instructions
     (a machine's disk can outlive its CPU model here).
     """
@@ -58,7 +60,7 @@ def build_directory() -> Path:
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    digest.update(" ".join(cflags() + [torch.__version__, _cpu_flags()]).encode())
+    digest.update(" ".join(cflags() + [torch.__version__, _cpu_flags(), str(SOURCES[0].parent.resolve())]).encode())
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     return root / f"pagedllm_ops_{digest.hexdigest()[:16]}"
 
