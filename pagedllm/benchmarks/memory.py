@@ -189,28 +189,35 @@ def measure_shared_prefix(llm_factory: Callable[[bool], object], workload: list[
     return figures
 
 
+class _SnapshotEveryStep:
+    """The engine for ``beam_search``, unchanged, except that each ``step()`` also records the
+    block pool's ``KVCacheSnapshot`` (public API only: ``step`` and ``make_kv_snapshot``)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.snapshots = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def step(self):
+        outputs = self._engine.step()
+        self.snapshots.append(self._engine.make_kv_snapshot())
+        return outputs
+
+
 def measure_beam_sharing(llm, prompts: list[list[int]], beam_width: int, max_tokens: int,
                          log: Callable[[str], None] = print) -> tuple[float, float]:
-    """(c) beam part: mean distinct blocks vs mean summed table lengths over the steps."""
-    from pagedllm.beam_search import BeamSearchParams
+    """(c) beam part: mean over the steps of the blocks in use vs the summed block tables of the
+    running sequences (what they would hold without sharing), from the engine's KV snapshots."""
+    from pagedllm.beam_search import BeamSearchParams, beam_search
 
-    engine = llm.llm_engine
-    manager = engine.kv_cache_manager
-    runner = engine.model_runner
-    distinct, tables = [], []
-    execute_model = runner.execute_model
-
-    def sampling_execute_model(*args):
-        distinct.append(manager.block_pool.num_used_blocks)
-        tables.append(sum(len(blocks) for blocks in manager.req_to_blocks.values()))
-        return execute_model(*args)
-
-    runner.execute_model = sampling_execute_model
-    try:
-        llm.beam_search([{"prompt_token_ids": p} for p in prompts],
-                        BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, ignore_eos=True))
-    finally:
-        del runner.execute_model
+    engine = _SnapshotEveryStep(llm.llm_engine)
+    beam_search(engine, [{"prompt_token_ids": p} for p in prompts],
+                BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, ignore_eos=True))
+    busy = [s for s in engine.snapshots if s.counters.num_used_blocks]
+    distinct = [s.counters.num_used_blocks for s in busy]
+    tables = [sum(len(r.block_table) for r in s.requests) for s in busy]
     return _mean(distinct), _mean(tables)
 
 
