@@ -133,6 +133,32 @@ def test_killing_a_rank_ends_the_engine_with_an_error_within_seconds():
     assert os.sched_getaffinity(0) == affinity
 
 
+def test_an_interrupted_step_ends_the_workers_at_once():
+    """Ctrl-C (a KeyboardInterrupt in rank 0 only, as ``kill -INT`` or a notebook's interrupt
+    sends it) mid-forward leaves rank 1 inside an all-reduce: it is killed at once instead of
+    spinning until the timeout, and the engine refuses every later step."""
+    engine = tp2_engine()
+    engine.add_request("r", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=80, **GREEDY))
+    engine.step()
+    (worker,) = engine._tp_workers.processes
+    model = engine.model_runner.model
+    first_layer = model.layers[0]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    first_layer.forward = interrupted
+    model.fused_decode.enabled = False  # the Python layers, so the patched one runs
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    worker.join(5)
+    assert worker.exitcode is not None and time.monotonic() - start < 10
+    with pytest.raises(TensorParallelError, match="interrupted on rank 0 .KeyboardInterrupt."):
+        engine.step()
+    engine.shutdown()
+
+
 QWEN = "qwen2.5-coder-0.5b"
 
 

@@ -417,9 +417,20 @@ class LLMEngine:
             # Fatal: the ranks are out of step and cannot be brought back.
             self._tp_error = self._tp_workers.failure(exc) if self._tp_workers and exc is not self._tp_error else exc
             raise self._tp_error from exc
-        except Exception as exc:  # noqa: BLE001 - one failed forward must not take the others down
-            logger.exception("the model forward failed: ending the %d sequences of this step", len(requests))
-            return outputs + self._fail_requests(requests.values(), exc)
+        except BaseException as exc:
+            if self._tp_workers is None and isinstance(exc, Exception):
+                # One failed forward must not take the others down.
+                logger.exception("the model forward failed: ending the %d sequences of this step", len(requests))
+                return outputs + self._fail_requests(requests.values(), exc)
+            if self._tp_workers is not None:
+                # Rank 0 left its peers inside a collective they cannot leave (they would spin
+                # until the timeout): end them now; the engine cannot compute any more.
+                self._tp_error = TensorParallelError(
+                    f"a step was interrupted on rank 0 ({type(exc).__name__}): the ranks are out of step")
+                self._tp_workers.abandon()
+                if isinstance(exc, Exception):
+                    raise self._tp_error from exc
+            raise
         for request_id, records in runner_output.prompt_logprobs.items():
             requests[request_id].prompt_logprobs.extend(records)
         for request_id, record in runner_output.logprobs.items():

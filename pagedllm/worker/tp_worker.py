@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from pagedllm.config import EngineArgs, parse_cpu_list, parse_tp_cores
 from pagedllm.distributed import parallel_state
-from pagedllm.distributed.parallel_state import TensorParallelError
+from pagedllm.distributed.parallel_state import TensorParallelError, data_timeout_s
 from pagedllm.distributed.shm_all_reduce import create_shm_file
 from pagedllm.models.sharding import TensorParallelShard
 from pagedllm.worker.model_runner import ModelRunner
@@ -133,9 +133,10 @@ class TensorParallelWorkers:
             self.shm_path = f"{_SHM_DIR}/pagedllm-tp-{os.getpid()}-{port}"
             create_shm_file(self.shm_path, self.tp_size)
         context = multiprocessing.get_context("spawn")
+        started = [context.Pipe(duplex=False) for _ in range(1, self.tp_size)]
         self.processes = [context.Process(target=_worker_main, name=f"pagedllm-tp-rank{rank}", daemon=True,
                                           args=(rank, port, args, checkpoint, cpus[rank], self.shm_path,
-                                                os.getpid()))
+                                                os.getpid(), started[rank - 1][1]))
                           for rank in range(1, self.tp_size)]
         for process in self.processes:
             process.start()
@@ -149,6 +150,7 @@ class TensorParallelWorkers:
         pin_threads(cpus[0])
         logger.info("tensor parallel: %d ranks on CPUs %s (rank 0 is this process, pid %d; workers %s)",
                     self.tp_size, cpus, os.getpid(), [p.pid for p in self.processes])
+        self._wait_started([reader for reader, _ in started])
         sentinels = [process.sentinel for process in self.processes]
         try:
             parallel_state.init_distributed_environment(
@@ -158,6 +160,33 @@ class TensorParallelWorkers:
             error = self.failure(exc)
             self.shutdown()
             raise error from exc
+
+    def _wait_started(self, readers: list) -> None:
+        """Wait until every worker runs ``_worker_main``; a worker that exits first (most often:
+        a script without ``if __name__ == "__main__":``, which spawn re-imports) is an error at
+        once, not after the rendezvous timeout."""
+        for rank, (reader, process) in enumerate(zip(readers, self.processes), start=1):
+            ready = multiprocessing.connection.wait([reader, process.sentinel], timeout=data_timeout_s())
+            if reader not in ready:
+                process.join(5.0)
+                how = _describe_exit(process.exitcode) if process.exitcode is not None else "did not start in time"
+                self.abandon()
+                raise TensorParallelError(
+                    f"tensor-parallel rank {rank} (pid {process.pid}) {how} before joining: its stderr "
+                    "has the reason (a script that starts tensor parallelism must guard its code with "
+                    "`if __name__ == \"__main__\":`, as multiprocessing's spawn re-imports it)")
+            reader.close()
+
+    def abandon(self) -> None:
+        """End the workers at once (``SIGKILL``) and leave the groups: for when rank 0 left them
+        inside a collective (an exception or ``KeyboardInterrupt`` mid-step) and a graceful
+        shutdown broadcast would never be received."""
+        self._closing = True
+        for process in self.processes:
+            process.kill()
+        for process in self.processes:
+            process.join()
+        self.shutdown()
 
     def _watchdog(self) -> None:
         """Wait for any worker to exit; unless shutting down, log it and run the callbacks."""
@@ -256,10 +285,14 @@ def _describe_exit(exitcode: int) -> str:
 
 
 def _worker_main(rank: int, port: int, args: EngineArgs, checkpoint: Optional[tuple], cpus: list[int],
-                 shm_path: Optional[str], parent_pid: int) -> None:
-    """A worker's life: pin, join, build the shard, allocate the KV cache, then compute every
-    step rank 0 broadcasts until it says shut down. Exits with an error when rank 0 is gone."""
+                 shm_path: Optional[str], parent_pid: int, started) -> None:
+    """A worker's life: say it started (``started``, a pipe's sending end), pin, join, build the
+    shard, allocate the KV cache, then compute every step rank 0 broadcasts until it says shut
+    down. Exits with an error when rank 0 is gone."""
     from pagedllm.models.loader import build_model, load_checkpoint, load_prequantized_int4, resolve_model_path
+
+    started.send(True)
+    started.close()
 
     logging.basicConfig(level=logging.WARNING)
     pin_threads(cpus)
