@@ -169,7 +169,8 @@ class TensorParallelWorkers:
             ready = multiprocessing.connection.wait([reader, process.sentinel], timeout=data_timeout_s())
             if reader not in ready:
                 process.join(5.0)
-                how = _describe_exit(process.exitcode) if process.exitcode is not None else "did not start in time"
+                how = (f"exited {_describe_exit(process.exitcode)}" if process.exitcode is not None
+                       else "did not start in time")
                 self.abandon()
                 raise TensorParallelError(
                     f"tensor-parallel rank {rank} (pid {process.pid}) {how} before joining: its stderr "
