@@ -28,6 +28,7 @@ import re
 import signal
 import socket
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -166,9 +167,16 @@ class TensorParallelWorkers:
         a script without ``if __name__ == "__main__":``, which spawn re-imports) is an error at
         once, not after the rendezvous timeout."""
         for rank, (reader, process) in enumerate(zip(readers, self.processes), start=1):
-            ready = multiprocessing.connection.wait([reader, process.sentinel], timeout=data_timeout_s())
-            if reader not in ready:
-                process.join(5.0)
+            multiprocessing.connection.wait([reader, process.sentinel], timeout=data_timeout_s())
+            try:
+                started = reader.poll() and reader.recv()
+            except EOFError:  # it died: its end of the pipe closed without a word
+                started = False
+            if not started:
+                # The watchdog thread may be reaping it at the same moment: wait for the code.
+                deadline = time.monotonic() + 10.0
+                while process.exitcode is None and process.is_alive() and time.monotonic() < deadline:
+                    process.join(0.1)
                 how = (f"exited {_describe_exit(process.exitcode)}" if process.exitcode is not None
                        else "did not start in time")
                 self.abandon()
