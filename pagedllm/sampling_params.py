@@ -266,6 +266,11 @@ class SamplingParams:
                                                                   StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                              f"{self.structured_outputs!r}")
+        if self.structured_outputs is not None and self.allowed_token_ids is not None:
+            # Two whitelists: where they do not meet nothing valid can be sampled, and the
+            # grammar already decides which tokens may come.
+            raise ValueError("allowed_token_ids cannot be combined with structured_outputs: the "
+                             "constraint already decides which tokens may be sampled")
 
     @staticmethod
     def _verify_stop(stop: object) -> list[str]:

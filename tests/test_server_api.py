@@ -460,3 +460,21 @@ def test_cancel_is_refused_to_another_key_and_client_ids_never_collide_across_ke
         assert bad.status_code == 400 and "X-Request-Id" in bad.json()["error"]["message"]
         assert bad.headers["x-request-id"] != "has space"
 
+
+
+def test_malformed_request_ids_are_400s_that_quote_them_readably():
+    """Found by the fresh-user check: an id with '/' was accepted but could never be cancelled
+    (it is a path segment), and a non-ASCII one was quoted as mojibake."""
+    with InThreadServer(make_tiny_engine()) as server:
+        body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 1}
+        for request_id, shown in [("a/b", '"a/b"'), ("é".encode(), None), ("x" * 129, None)]:
+            response = httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": request_id},
+                                  json=body, timeout=30)
+            assert response.status_code == 400
+            message = response.json()["error"]["message"]
+            assert message.startswith("X-Request-Id must be 1-128 printable ASCII characters without spaces or '/'")
+            if shown is not None:
+                assert message.endswith(f"got {shown}"), message
+            assert "\u00c3" not in response.text and "Ã" not in message  # é decoded as UTF-8, not Latin-1
+        ok = httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": "a.b-c_d"}, json=body, timeout=30)
+        assert ok.status_code == 200 and ok.headers["x-request-id"] == "a.b-c_d"

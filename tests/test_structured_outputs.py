@@ -87,6 +87,10 @@ def test_params_take_exactly_one_kind():
     with pytest.raises(ValueError, match="unknown fields \\['jsn'\\]"):
         SamplingParams(structured_outputs={"jsn": {}})
     assert StructuredOutputsParams(json='{"type": "integer"}').json == {"type": "integer"}
+    # Found by the fresh-user check: two whitelists that do not meet ended with "error" and text
+    # outside the choice.
+    with pytest.raises(ValueError, match="allowed_token_ids cannot be combined with structured_outputs"):
+        SamplingParams(allowed_token_ids=[5, 6], structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
 
 
 def test_older_guided_decoding_name_is_the_same_field():

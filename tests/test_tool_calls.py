@@ -74,6 +74,19 @@ def test_forced_tool_calls_parse_validate_and_stream_the_same(client, tool_choic
     assert all(call["id"] for call in calls.values())
 
 
+def test_named_call_cut_by_max_tokens_keeps_its_call_as_streamed(client):
+    """Found by the fresh-user check: cut short, the non-streamed reply lost its tool call while
+    the stream had sent it; both now carry the arguments generated so far (as vLLM)."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    choice = create(client, tool_choice=named, max_tokens=3).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_time" and call.function.arguments
+    calls, finish = streamed_calls(create(client, tool_choice=named, max_tokens=3, stream=True))
+    assert finish == "length"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_time", call.function.arguments)]
+
+
 def test_auto_parses_tool_call_blocks_from_the_reply(client):
     """A regex makes the random model write one Hermes/Qwen ``<tool_call>`` block after some
     text; ``auto`` turns it into ``tool_calls`` and keeps the text before it as content."""

@@ -78,7 +78,7 @@ logger = logging.getLogger(__name__)
 
 _PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/debug")
 _DASHBOARD_HTML = Path(__file__).with_name("dashboard.html")
-_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+_REQUEST_ID = re.compile(r"[\x21-\x2e\x30-\x7e]{1,128}")  # printable ASCII but "/": ids are path segments
 
 # vLLM's error type names; other statuses get their phrase ("Payload Too Large" -> PayloadTooLargeError)
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
@@ -177,9 +177,9 @@ class _ClientMiddleware:
         headers = dict(scope["headers"])
         error: Optional[OpenAIError] = None
         given = headers.get(b"x-request-id")
-        request_id = given.decode("latin-1") if given is not None else uuid.uuid4().hex
+        request_id = given.decode("utf-8", "replace") if given is not None else uuid.uuid4().hex
         if not _REQUEST_ID.fullmatch(request_id):
-            error = OpenAIError(400, "X-Request-Id must be 1-128 printable ASCII characters without spaces, "
+            error = OpenAIError(400, "X-Request-Id must be 1-128 printable ASCII characters without spaces or '/', "
                                      f"got {_short_repr(request_id)}")
             request_id = uuid.uuid4().hex  # never echo what was refused
         key: Optional[APIKey] = None

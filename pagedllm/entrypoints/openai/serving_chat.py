@@ -107,7 +107,8 @@ class OpenAIServingChat(OpenAIServing):
     def _tool_calls(completion: CompletionOutput, mode: str, named: Optional[dict]) -> tuple[Any, list, Any]:
         """``(content, tool calls, finish_reason)`` of a finished choice. As OpenAI and vLLM:
         ``"tool_calls"`` when the model chose to call (auto, required), ``"stop"`` for a named
-        function; a reply cut by ``max_tokens`` that does not parse stays text."""
+        function; a ``required`` or ``auto`` reply cut by ``max_tokens`` that does not parse stays
+        text, a named function's keeps its call with the arguments generated so far."""
         if mode == "none":
             return completion.text, [], completion.finish_reason
         if mode == "auto":

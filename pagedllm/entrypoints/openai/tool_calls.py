@@ -91,13 +91,11 @@ def constraint_schema(tools: list[dict], mode: str, named: Optional[dict]) -> Op
 
 
 def parse_forced(text: str, mode: str, named: Optional[dict]) -> list[ToolCall]:
-    """The calls of a reply generated under ``constraint_schema`` (empty if it was cut short
-    by ``max_tokens`` and does not parse)."""
+    """The calls of a reply generated under ``constraint_schema``. A named function's call is
+    always there, its arguments being the text (cut short by ``max_tokens`` or a stop string they
+    are the prefix generated, as the streamed deltas are, and as vLLM returns them); ``required``
+    gives none if the reply was cut short and does not parse."""
     if mode == "named":
-        try:
-            json.loads(text)
-        except ValueError:
-            return []
         return [ToolCall(named["name"], text)]
     try:
         calls = json.loads(text)
