@@ -340,3 +340,7 @@ def test_tensor_parallel_is_refused_by_name(tiny_gemma):
     config = tiny_gemma[1].config
     with pytest.raises(ValueError, match="Gemma 3 runs with tensor_parallel_size=1 only, got 2"):
         Gemma3ForCausalLM(config, tp=TensorParallelShard(rank=0, size=2))
+    # The engine asks before it spawns any rank (found by the fresh-user check: a rank was
+    # spawned first and printed its own traceback).
+    with pytest.raises(ValueError, match="'gemma3_text' family runs with tensor_parallel_size=1 only"):
+        TensorParallelShard(rank=0, size=2).check(config)

@@ -112,7 +112,7 @@ class LLMEngine:
                 self.shutdown()
                 raise
             del state_dict, prequantized
-            logger.info("loaded %s in %.1f s", engine_args.model if checkpoint is None else "the checkpoint",
+            logger.info("loaded %s in %.1f s", path if checkpoint is None else "the checkpoint",
                         time.perf_counter() - start)
         try:
             self._init_after_model(engine_args, model, tokenizer)

@@ -28,6 +28,9 @@ _COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", 
 _ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 
 
+# Families whose layers this module splits (Llama-shaped decoder layers).
+SHARDED_ARCHITECTURES = ("llama", "qwen2")
+
 @dataclass(frozen=True)
 class TensorParallelShard:
     """Rank ``rank`` of ``size`` tensor-parallel ranks (``size == 1``: the whole model)."""
@@ -39,7 +42,8 @@ class TensorParallelShard:
         """Whether ``config`` splits over ``size`` ranks.
 
         Raises:
-            ValueError: naming the dimension that does not divide: Q heads, KV heads (when
+            ValueError: a family whose layers are not sharded (Gemma 3), or naming the dimension
+                that does not divide: Q heads, KV heads (when
                 ``num_kv_heads >= size`` they must divide by it, else ``size`` by them), the
                 intermediate size, or for ``int4`` a row-parallel input slice that is not a
                 whole number of 32-weight groups.
@@ -47,6 +51,9 @@ class TensorParallelShard:
         size = self.size
         if size == 1:
             return
+        if config.architecture not in SHARDED_ARCHITECTURES:
+            raise ValueError(f"tensor_parallel_size={size}: the {config.architecture!r} family runs with "
+                             f"tensor_parallel_size=1 only (sharded: {', '.join(SHARDED_ARCHITECTURES)})")
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         if heads % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide the model's {heads} attention "
