@@ -41,19 +41,20 @@ def smollm2_tokenizer():
     return load_tokenizer(resolve_model_path(None))
 
 
-@functools.lru_cache(maxsize=1)
-def _wide_tiny_model():
+@functools.lru_cache(maxsize=3)
+def _wide_tiny_model(dtype: torch.dtype = torch.float32, quantization=None):
     from pagedllm.models.loader import build_model
     config = tiny_config(vocab_size=SMOLLM2_VOCAB)
-    return build_model(config, tiny_state_dict(config, seed=0), torch.float32)
+    return build_model(config, tiny_state_dict(config, seed=0), dtype, quantization)
 
 
-def make_engine(**overrides) -> LLMEngine:
+def make_engine(dtype: torch.dtype = torch.float32, quantization=None, **overrides) -> LLMEngine:
     """A tiny random llama over SmolLM2's tokenizer: 256 blocks of 4 tokens by default."""
     kwargs = dict(block_size=4, num_gpu_blocks_override=256, max_model_len=512, max_num_seqs=16,
                   max_num_batched_tokens=256)
     kwargs.update(overrides)
-    return LLMEngine(EngineArgs.from_kwargs(**kwargs), model=_wide_tiny_model(), tokenizer=smollm2_tokenizer())
+    return LLMEngine(EngineArgs.from_kwargs(**kwargs), model=_wide_tiny_model(dtype, quantization),
+                     tokenizer=smollm2_tokenizer())
 
 
 @functools.lru_cache(maxsize=1)
@@ -164,8 +165,10 @@ def test_padding_ids_beyond_the_tokenizer_are_never_allowed():
 
 
 # ----------------------------------------------------------------------------- generation
-def test_random_model_outputs_follow_their_constraints():
-    engine = make_engine()
+@pytest.mark.parametrize("dtype,quantization", [(torch.float32, None), (torch.bfloat16, None),
+                                                (torch.bfloat16, "int4"), (torch.float32, "int8")])
+def test_random_model_outputs_follow_their_constraints(dtype, quantization):
+    engine = make_engine(dtype, quantization)
     regex = "[0-9]{2,4}-(ab|cd)"
     choices = ["alpha", "beta gamma", 'é"x']
     requests = {
