@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -23,19 +25,21 @@ NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM = 64, 16, 64
 
 def dense_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: list[int], context_len: int, query_positions: list[int],
-                    scale: float) -> torch.Tensor:
-    """Attention of queries ``[q_len, H, D]`` at ``query_positions`` over one sequence, fp64."""
+                    scale: float, window: Optional[int] = None) -> torch.Tensor:
+    """Attention of queries ``[q_len, H, D]`` at ``query_positions`` over one sequence, fp64,
+    rebuilt token by token from the block table; each query sees keys ``pos - window + 1 ..
+    pos`` (all of ``0 .. pos`` for window None: a sliding window, as Gemma 3's local layers)."""
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
     keys = torch.stack([key_cache[block_table[p // block_size], p % block_size] for p in range(context_len)])
     values = torch.stack([value_cache[block_table[p // block_size], p % block_size] for p in range(context_len)])
     out = torch.empty(query.shape, dtype=torch.float64)
     for head in range(query.shape[1]):
-        k = keys[:, head // group].double()
-        v = values[:, head // group].double()
+        k, v = keys[:, head // group].double(), values[:, head // group].double()
         for row, pos in enumerate(query_positions):
-            scores = (k[:pos + 1] @ query[row, head].double()) * scale
-            out[row, head] = scores.softmax(0) @ v[:pos + 1]
+            lo = 0 if window is None else max(0, pos - window + 1)
+            scores = (k[lo:pos + 1] @ query[row, head].double()) * scale
+            out[row, head] = scores.softmax(0) @ v[lo:pos + 1]
     return out
 
 

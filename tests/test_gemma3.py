@@ -20,29 +20,13 @@ from pagedllm.models import registry
 from pagedllm.models.registry import NAMED_MODELS, NamedModel, resolve_named_model
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
-from tests.test_attention import BLOCK_SIZE, NUM_BLOCKS, random_caches, random_decode_batch
+from tests.test_attention import BLOCK_SIZE, NUM_BLOCKS, dense_reference, random_caches, random_decode_batch
 
 GEMMA = "gemma-3-270m"
 needs_gemma = pytest.mark.skipif(not NAMED_MODELS[GEMMA].is_installed(),
                                  reason="pagedllm pull gemma-3-270m")
 
 
-def windowed_reference(query, key_cache, value_cache, block_table, context_len, query_positions, scale,
-                       window):
-    """Queries ``[q_len, H, D]`` at ``query_positions``, each over keys ``pos - window + 1 .. pos``
-    (all of ``0 .. pos`` for window None), rebuilt token by token from the block table; fp64."""
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = query.shape[1] // num_kv_heads
-    keys = torch.stack([key_cache[block_table[p // block_size], p % block_size] for p in range(context_len)])
-    values = torch.stack([value_cache[block_table[p // block_size], p % block_size] for p in range(context_len)])
-    out = torch.empty(query.shape, dtype=torch.float64)
-    for head in range(query.shape[1]):
-        k, v = keys[:, head // group].double(), values[:, head // group].double()
-        for row, pos in enumerate(query_positions):
-            lo = 0 if window is None else max(0, pos - window + 1)
-            scores = (k[lo:pos + 1] @ query[row, head].double()) * scale
-            out[row, head] = scores.softmax(0) @ v[lo:pos + 1]
-    return out
 
 
 # head_dim 64 and 256 (Gemma 3) take the AVX-512 path where the CPU has it, 48 the generic one;
@@ -57,7 +41,7 @@ def test_sliding_window_decode_native_and_torch_match_reference(head_dim, window
         9, 8, 2, cache_dtype, seed=window + head_dim, head_dim=head_dim)
     query = query.float()
     scale = head_dim ** -0.5
-    expected = torch.cat([windowed_reference(query[i:i + 1], key_cache, value_cache, block_tables[i].tolist(),
+    expected = torch.cat([dense_reference(query[i:i + 1], key_cache, value_cache, block_tables[i].tolist(),
                                              int(context_lens[i]), [int(context_lens[i]) - 1], scale, window)
                           for i in range(query.shape[0])])
     native = kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale, window)
@@ -89,7 +73,7 @@ def test_sliding_window_prefill_matches_reference(num_cached, q_len, window):
     slots = torch.tensor([int(table[p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in positions])
     metadata = AttentionMetadata(slot_mapping=slots, prefills=[PrefillSequence(0, q_len, context_len, table)])
     out = paged_attention(query, key, value, key_cache, value_cache, metadata, 0.125, sliding_window=window)
-    expected = windowed_reference(query, key_cache, value_cache, table.tolist(), context_len, positions, 0.125,
+    expected = dense_reference(query, key_cache, value_cache, table.tolist(), context_len, positions, 0.125,
                                   window)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 

@@ -24,7 +24,7 @@ from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import make_tiny_engine, run_to_completion
-from tests.test_server import MODEL, InThreadServer, smollm2_tokenizer, tiny_chat_engine
+from tests.test_server import MODEL, InThreadServer, failing_at_step, smollm2_tokenizer, tiny_chat_engine
 
 PARAMS = SamplingParams(max_tokens=20, ignore_eos=True)
 
@@ -234,16 +234,7 @@ def test_disable_dashboard_removes_the_routes(chat_engine_args):
 
 
 def test_a_dead_engine_ends_the_stream_and_debug_kv_is_503():
-    engine = make_tiny_engine()
-    step = engine.step
-    calls = []
-
-    def failing_step():
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected fault")
-        return step()
-    engine.step = failing_step
+    engine = failing_at_step(make_tiny_engine(), 3)
     with InThreadServer(engine) as server:
         with httpx.stream("GET", server.url + "/debug/kv/stream", timeout=30) as stream:
             lines = stream.iter_lines()

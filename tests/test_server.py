@@ -58,6 +58,20 @@ def slowed(engine, seconds: float):
     return engine
 
 
+def failing_at_step(engine, n: int):
+    """Make the engine's ``n``-th step raise (a fault that kills the engine loop)."""
+    step = engine.step
+    calls = []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == n:
+            raise RuntimeError("injected fault")
+        return step()
+    engine.step = failing_step
+    return engine
+
+
 @functools.lru_cache(maxsize=1)
 def smollm2_tokenizer():
     from pagedllm.models.loader import load_tokenizer, resolve_model_path

@@ -16,7 +16,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import make_tiny_engine, run_to_completion
-from tests.test_server import (MODEL, InThreadServer, idle, scrape, slowed, smollm2_tokenizer,
+from tests.test_server import (MODEL, InThreadServer, failing_at_step, idle, scrape, slowed, smollm2_tokenizer,
                                sse_events, tiny_chat_engine, wait_for_metrics)
 
 ABORT = 'pagedllm:request_success_total{finished_reason="abort"}'
@@ -61,16 +61,7 @@ def test_request_timeout_aborts_and_frees_blocks():
 
 
 def test_dead_engine_loop_makes_health_503_and_requests_fail_fast():
-    engine = make_tiny_engine()
-    step = engine.step
-    calls = []
-
-    def failing_step():
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected fault")
-        return step()
-    engine.step = failing_step
+    engine = failing_at_step(make_tiny_engine(), 3)
     with InThreadServer(engine) as server:
         assert httpx.get(server.url + "/health").status_code == 200
         with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
