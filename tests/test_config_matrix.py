@@ -27,12 +27,13 @@ import torch
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.layers import ops
+from pagedllm.layers.smooth_quant import calibration_token_ids
 from pagedllm.models.loader import build_model
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import run_to_completion, tiny_config, tiny_state_dict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-QUANTIZATIONS = [None, "int8", "int4"]
+QUANTIZATIONS = [None, "int8", "int4", "w8a8"]
 KV_CACHE_DTYPES = ["auto", "bfloat16"]
 # |logprob difference| allowed between the C++ and the torch path: (largest, mean over the
 # prompt). fp32 with an fp32 KV cache: summation order only (measured: tiny model <= 2e-5,
@@ -41,9 +42,17 @@ KV_CACHE_DTYPES = ["auto", "bfloat16"]
 # relative, and the tiny model's logprobs reach -23 (measured on it: largest 0.155, mean
 # <= 0.044; SmolLM2 fp32 with a bf16 cache: sampled logprobs up to 3.7e-3 apart).
 EXACT_TOL, ROUNDED_TOL = (2e-3, 5e-4), (0.25, 0.06)
+# W8A8 rounds every activation to int8 per token (steps of absmax / 127, ~0.8 %): a last-bit
+# difference upstream moves a value across a rounding boundary now and then, and the tiny
+# model's logprobs reach -23 (measured on it, bf16: largest 0.27, mean <= 0.15).
+W8A8_TOL = (0.5, 0.2)
 
 
-def tolerance(dtype: torch.dtype, kv_cache_dtype: str) -> tuple[float, float]:
+def tolerance(dtype: torch.dtype, kv_cache_dtype: str, quantization: str | None = None) -> tuple[float, float]:
+    """W8A8 rounds every activation to int8 per token: a last-bit difference upstream can move
+    a value across a rounding boundary, so it is compared as a rounded path in fp32 too."""
+    if quantization == "w8a8":
+        return W8A8_TOL
     return EXACT_TOL if dtype == torch.float32 and kv_cache_dtype == "auto" else ROUNDED_TOL
 
 
@@ -86,6 +95,7 @@ def assert_same_up_to_near_ties(a, b, tolerance: tuple[float, float]) -> int:
     tol, mean_tol = tolerance
     diffs = [abs(x - y) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b))]
     if diffs:
+        print(f"prompt logprob differences: largest {max(diffs):.3g}, mean {sum(diffs) / len(diffs):.3g}")
         assert max(diffs) <= tol and sum(diffs) / len(diffs) <= mean_tol, f"prompt logprobs differ: {diffs}"
     tokens_a, tokens_b = a.outputs[0].token_ids, b.outputs[0].token_ids
     for step, (x, y) in enumerate(zip(tokens_a, tokens_b)):
@@ -121,9 +131,9 @@ def test_tiny_model_native_equals_torch(dtype, quantization, kv_cache_dtype, nat
     native = run()
     native_off(False)
     reference = run()
-    agreed = [assert_same_up_to_near_ties(a, b, tolerance(torch_dtype, kv_cache_dtype))
+    agreed = [assert_same_up_to_near_ties(a, b, tolerance(torch_dtype, kv_cache_dtype, quantization))
               for a, b in zip(native, reference)]
-    if tolerance(torch_dtype, kv_cache_dtype) == EXACT_TOL:
+    if tolerance(torch_dtype, kv_cache_dtype, quantization) == EXACT_TOL:
         assert agreed == [12, 12, 12]
 
 
@@ -169,12 +179,14 @@ def test_smollm2_every_configuration(dtype, quantization, smollm2_weights, smoll
     """Both KV cache dtypes, native ops on and off. fp32 unquantized and fp32 int4 with the
     default cache equal transformers token for token; every configuration's teacher-forced
     prompt logprobs stay within 0.25 of the fp32 model's on average (measured: bf16 ~0.06,
-    int8 ~0.15); native equals torch up to near-ties."""
+    int8 ~0.15), w8a8 within 0.4 (measured 0.32 in fp32: every activation is rounded to int8;
+    its perplexity is in test_quantization.py); native equals torch up to near-ties."""
     config, state_dict, prequantized, tokenizer, prompts = smollm2_weights
     expected, reference_logprobs = smollm2_reference
     torch_dtype = DTYPES[dtype]
+    calibration = calibration_token_ids(tokenizer, config.vocab_size) if quantization == "w8a8" else None
     model = build_model(config, state_dict, torch_dtype, quantization,
-                        prequantized if quantization == "int4" else None)
+                        prequantized if quantization == "int4" else None, calibration_token_ids=calibration)
     for kv_cache_dtype in KV_CACHE_DTYPES:
         runs = {}
         # The torch twins of the quantized kernels dequantize every weight at every step: two
@@ -183,11 +195,11 @@ def test_smollm2_every_configuration(dtype, quantization, smollm2_weights, smoll
             native_off(native)
             engine = smollm2_engine(model, dtype, kv_cache_dtype, tokenizer)
             runs[native] = greedy_run(engine, native_prompts, MAX_TOKENS)
-            if torch_dtype == torch.float32 and quantization != "int8" and kv_cache_dtype == "auto":
+            if torch_dtype == torch.float32 and quantization in (None, "int4") and kv_cache_dtype == "auto":
                 assert [o.outputs[0].token_ids for o in runs[native]] == expected[:len(native_prompts)], native
             for output, reference in zip(runs[native], reference_logprobs):
                 got = prompt_logprobs(output)
                 mean = sum(abs(x - y) for x, y in zip(got, reference)) / len(reference)
-                assert mean <= 0.25, (native, kv_cache_dtype, mean)
+                assert mean <= (0.4 if quantization == "w8a8" else 0.25), (native, kv_cache_dtype, mean)
         for a, b in zip(runs[True], runs[False]):
-            assert_same_up_to_near_ties(a, b, tolerance(torch_dtype, kv_cache_dtype))
+            assert_same_up_to_near_ties(a, b, tolerance(torch_dtype, kv_cache_dtype, quantization))

@@ -9,6 +9,8 @@
 //   float / bfloat16: [weight_t [in, out]] (+ bias)        -> mm / addmm
 //   packed (mkldnn):  [packed [out, in]] (+ bias)          -> mkldnn::_linear_pointwise
 //   int8:             [codes [N, K], scales] (+ bias)       -> int8_linear
+//   int8 W8A8:        [codes [N, K], scales [N], smooth_inv [1, K]] (+ bias) -> w8a8_linear
+//                     (told apart from int8 + bias by the third tensor's two dimensions)
 //   uint8 (int4):     [packed [N, K/2], scales, mins] (+ bias) -> int4_linear
 // (the quantized kernels on fp32 rows, bf16 activations widened and the result narrowed back).
 
@@ -35,6 +37,7 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& params) {
   const bool widen = x.scalar_type() != at::kFloat;
   switch (first.scalar_type()) {
     case at::kChar: {
+      if (params.size() > 2 && params[2].dim() == 2) return w8a8_linear(x, first, params[1], params[2], bias_at(3));
       const at::Tensor y = int8_linear(widen ? x.to(at::kFloat) : x.contiguous(), first, params.at(1), bias_at(2));
       return widen ? y.to(x.scalar_type()) : y;
     }

@@ -1,6 +1,6 @@
 // The C++ ops, callable from one another (decoder_layer.cpp runs a whole decode layer through
 // them). Each is also registered as torch.ops.pagedllm.<name>; see the defining file for the
-// semantics: fused_ops.cpp, paged_attention.cpp, quant_gemm.cpp.
+// semantics: fused_ops.cpp, paged_attention.cpp, quant_gemm.cpp, w8a8.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -23,5 +23,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                        const std::optional<at::Tensor>& bias);
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins, const std::optional<at::Tensor>& bias);
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& smooth_inv, const std::optional<at::Tensor>& bias);
 
 }  // namespace pagedllm

@@ -20,6 +20,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.layers.quantization import CHECKPOINT_QUANTIZATION_METHODS, weight_bytes
+from pagedllm.layers.smooth_quant import calibration_token_ids
 from pagedllm.models.loader import (build_model, load_checkpoint, load_prequantized, load_tokenizer,
                                     resolve_model_path)
 from pagedllm.distributed.parallel_state import TensorParallelError
@@ -106,8 +107,11 @@ class LLMEngine:
             if tp_size > 1:
                 self._tp_workers = TensorParallelWorkers(engine_args, checkpoint)
             try:
+                calibration = None
+                if quantization == "w8a8":
+                    calibration = calibration_token_ids(tokenizer, config.vocab_size)
                 model = build_model(config, state_dict, engine_args.torch_dtype, quantization,
-                                    prequantized, shard)
+                                    prequantized, shard, calibration)
             except BaseException:
                 self.shutdown()
                 raise

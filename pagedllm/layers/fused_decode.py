@@ -44,7 +44,7 @@ class FusedDecode:
         layers: the decoder layers (see ``layer_args``), in order.
         rotary: the model's ``RotaryEmbedding`` (``cos``/``sin`` tables).
         rms_norm_eps: the layers' RMSNorm epsilon.
-        quantization: the model's method (``"int8"``, ``"int4"``) or None.
+        quantization: the model's method (``"int8"``, ``"int4"``, ``"w8a8"``, ...) or None.
 
     Attributes:
         enabled: False forces the Python layers (tests compare the two).
@@ -66,11 +66,11 @@ class FusedDecode:
 
     def applies(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
         """Whether this step can run through ``decode_layers``: the C++ ops are built, one token
-        per sequence, and for quantized weights a batch the quantized kernels take
-        (``KERNEL_MAX_ROWS``)."""
+        per sequence, and for weight-only quantized weights a batch the quantized kernels take
+        (``KERNEL_MAX_ROWS``; ``w8a8`` takes any batch)."""
         if not self.enabled or metadata.prefills or metadata.num_decode_tokens != num_tokens or not num_tokens:
             return False
-        if self.quantization and num_tokens > KERNEL_MAX_ROWS:
+        if self.quantization not in (None, "w8a8") and num_tokens > KERNEL_MAX_ROWS:
             return False
         return native_ops() is not None
 

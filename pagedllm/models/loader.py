@@ -253,12 +253,14 @@ def load_prequantized_int4(path: Path) -> dict[str, Int4Weight]:
 def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                 quantization: Optional[str] = None,
                 prequantized: Optional[dict[str, Int4Weight | Int8Weight]] = None,
-                tp: TensorParallelShard = TensorParallelShard()) -> LlamaForCausalLM:
+                tp: TensorParallelShard = TensorParallelShard(),
+                calibration_token_ids: Optional[list[int]] = None) -> LlamaForCausalLM:
     """Instantiate the model without random init (meta device), install the weights, and
     quantize its linear layers when ``quantization`` is set: ``int8``/``int4`` quantize them
     (``int4`` takes ``prequantized`` GGUF 4-bit weights as they are), a checkpoint method
     installs ``prequantized`` (``load_prequantized``); see ``quantize_model``. With ``tp`` the
     model is that rank's shard (``models/sharding.py``), prequantized weights included.
+    ``w8a8`` calibrates on ``calibration_token_ids`` (``layers/smooth_quant.py``).
 
     Raises:
         ValueError: an architecture without a model class, a bad weight, placeholders of a
@@ -276,7 +278,7 @@ def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype:
         model = model_class(config, dtype, quantization, tp)
     model.load_hf_state_dict(state_dict)
     if model.quantization is not None:
-        quantize_model(model, tp.shard_state_dict(prequantized or {}, config))
+        quantize_model(model, tp.shard_state_dict(prequantized or {}, config), calibration_token_ids)
     model.pack_linear_weights()
     return model.eval()
 

@@ -64,6 +64,9 @@ class TensorParallelShard:
         if config.intermediate_size % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size="
                              f"{config.intermediate_size}")
+        if quantization == "w8a8":
+            raise ValueError(f"quantization='w8a8' with tensor_parallel_size={size} is not supported yet "
+                             "(its calibration runs on the whole model); use tensor_parallel_size=1")
         if quantization == "int4":
             for name, width in (("o_proj", heads * config.head_dim), ("down_proj", config.intermediate_size)):
                 if (width // size) % INT4_GROUP_SIZE:
