@@ -145,67 +145,17 @@ def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.unsqueeze(0)
 
 
-# Query rows per block of ``_blocked_causal_attention``: 128 beat 256 and 64 at 512-2048 tokens.
-QUERY_BLOCK = 128
-
-
-def _blocked_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                              scale: float) -> torch.Tensor:
-    """Causal attention of ``q_len`` queries over ``kv_len`` keys, the queries being the last
-    ``q_len`` positions (bottom-right aligned), as two batched GEMMs per block of
-    ``QUERY_BLOCK`` query rows.
-
-    Each block multiplies only the keys its rows can see (so the work is about half of the full
-    square, as in a flash kernel) and masks the triangle of its own positions. The query heads
-    that share a KV head are stacked into one GEMM's rows (GQA without repeating K/V). Scores
-    come out of the GEMM in the compute dtype (bf16 rounds them, as Hugging Face's eager bf16
-    attention does) and are scaled and softmaxed in fp32.
-
-    Measured against torch's flash SDPA (``F.scaled_dot_product_attention``, 4-D, repeated KV
-    heads) on SmolLM2's shapes (9 heads, 3 KV heads, head_dim 64): see bench/README.md.
-
-    Args:
-        query: ``[q_len, num_heads, head_dim]``; keys/values: ``[kv_len, num_kv_heads,
-            head_dim]``, ``kv_len >= q_len``, the query's dtype.
-
-    Returns:
-        ``[q_len, num_heads, head_dim]``, contiguous.
-    """
-    q_len, num_heads, head_dim = query.shape
-    kv_len, num_kv_heads, _ = keys.shape
-    group = num_heads // num_kv_heads
-    offset = kv_len - q_len
-    out = torch.empty(q_len, num_heads, head_dim, dtype=query.dtype)
-    grouped_query = query.reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    grouped_out = out.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    keys_t = keys.permute(1, 2, 0)    # [num_kv_heads, head_dim, kv_len]
-    values_h = values.transpose(0, 1)  # [num_kv_heads, kv_len, head_dim]
-    for start in range(0, q_len, QUERY_BLOCK):
-        end = min(q_len, start + QUERY_BLOCK)
-        rows, visible = end - start, offset + end
-        block_query = grouped_query[:, :, start:end].reshape(num_kv_heads, group * rows, head_dim)
-        scores = torch.bmm(block_query, keys_t[:, :, :visible]).float().mul_(scale)
-        scores = scores.view(num_kv_heads, group, rows, visible)
-        hidden = torch.ones(rows, rows, dtype=torch.bool).triu_(1)
-        scores[..., offset + start:visible].masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(query.dtype).view(num_kv_heads, group * rows, visible)
-        grouped_out[:, :, start:end] = torch.bmm(probs, values_h[:, :visible]).view(num_kv_heads, group, rows,
-                                                                                     head_dim)
-    return out
-
-
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       key_cache: torch.Tensor, value_cache: torch.Tensor,
                       seq: PrefillSequence, scale: float,
                       sliding_window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of a chunk of ``q_len`` tokens over its cached prefix and itself.
 
-    Without a sliding window: ``_blocked_causal_attention``. With one (Gemma 3's local
-    layers): torch's SDPA with an explicit mask. All tensors given to SDPA are 4-D: torch
-    dispatches 3-D inputs to its unfused math path, measured ~10x slower on this CPU than the
-    flash kernel 4-D inputs get. A chunk with a cached prefix (chunked prefill, prefix-cache
-    hit) gathers that prefix through its block table, a copy of ``context_len`` K/V rows, small
-    next to the ``q_len x context_len`` attention itself.
+    All tensors given to SDPA are 4-D: torch dispatches 3-D inputs to its unfused math path,
+    measured ~10x slower on this CPU than the flash kernel 4-D inputs get. A chunk with a
+    cached prefix (chunked prefill, prefix-cache hit) gathers that prefix through its block
+    table, a copy of ``context_len`` K/V rows, small next to the ``q_len x context_len``
+    attention itself.
 
     Every K/V row is used as the cache holds it (rounded to bfloat16 under a bfloat16 cache),
     so a prompt gets the same attention whether it is computed in one chunk or several.
@@ -224,27 +174,32 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """
     q_len, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    q = query.transpose(0, 1).unsqueeze(0)
     ctx = seq.context_len
     window = sliding_window if sliding_window is not None and sliding_window < ctx else None
     if ctx == q_len and window is None:
         if key_cache.dtype != key.dtype:
             key, value = key.to(key_cache.dtype).to(key.dtype), value.to(key_cache.dtype).to(key.dtype)
-        return _blocked_causal_attention(query, key, value, scale)
+        out = F.scaled_dot_product_attention(q, _expand_kv_heads(key, group),
+                                             _expand_kv_heads(value, group), is_causal=True,
+                                             scale=scale)
+        return out[0].transpose(0, 1)
     # The chunk's first query (position ctx - q_len) sees keys from position ``first`` on.
     first = 0 if window is None else max(0, ctx - q_len - window + 1)
     keys = key_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[first:ctx].to(query.dtype)
     values = value_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[first:ctx].to(query.dtype)
-    if window is None:
-        return _blocked_causal_attention(query, keys, values, scale)
     # Bottom-right aligned causal mask: query i (position ctx - q_len + i) sees keys up to that
-    # position, and within the window only the last ``window`` of them.
+    # position, and within a window only the last ``window`` of them.
     query_pos = torch.arange(ctx - q_len, ctx)[:, None]
     key_pos = torch.arange(first, ctx)[None, :]
-    hidden = (key_pos > query_pos) | (key_pos <= query_pos - window)
+    hidden = key_pos > query_pos
+    if window is not None:
+        hidden |= key_pos <= query_pos - window
     mask = torch.zeros(q_len, ctx - first, dtype=query.dtype).masked_fill_(hidden, float("-inf"))
-    group = num_heads // num_kv_heads
-    out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), _expand_kv_heads(keys, group),
-                                         _expand_kv_heads(values, group), attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q, _expand_kv_heads(keys, group),
+                                         _expand_kv_heads(values, group), attn_mask=mask,
+                                         scale=scale)
     return out[0].transpose(0, 1)
 
 
