@@ -184,7 +184,8 @@ def test_decode_falls_back_to_torch_when_the_build_fails(monkeypatch, caplog):
         native_ops.cache_clear()
 
 
-@pytest.mark.parametrize("num_cached,q_len", [(0, 37), (16, 16), (23, 40), (150, 7)])
+# 300 and 200 rows span several query blocks (QUERY_BLOCK = 128), the last one partial.
+@pytest.mark.parametrize("num_cached,q_len", [(0, 37), (16, 16), (23, 40), (150, 7), (0, 300), (50, 200)])
 def test_prefill_with_cached_context_matches_reference(num_cached, q_len):
     """A chunk at positions [num_cached, num_cached + q_len) over a prefix already in the cache."""
     num_heads, num_kv_heads = 6, 2
@@ -236,13 +237,14 @@ def test_mixed_batch_of_decodes_and_prefill_chunks(kernel):
         row += num_new
 
 
-def test_prefill_bf16_close_to_fp32():
-    num_heads, num_kv_heads, q_len = 4, 2, 48
+@pytest.mark.parametrize("q_len", [48, 300])
+def test_prefill_bf16_close_to_fp32(q_len):
+    num_heads, num_kv_heads = 4, 2
     key_cache, value_cache, g = random_caches(num_kv_heads, torch.float32, seed=2)
     query = torch.randn(q_len, num_heads, HEAD_DIM, generator=g)
     key = torch.randn(q_len, num_kv_heads, HEAD_DIM, generator=g)
     value = torch.randn(q_len, num_kv_heads, HEAD_DIM, generator=g)
-    seq = PrefillSequence(0, q_len, q_len, torch.arange(3))
+    seq = PrefillSequence(0, q_len, q_len, torch.arange(-(-q_len // BLOCK_SIZE)))
     expected = prefill_attention(query, key, value, key_cache, value_cache, seq, 0.2)
     out = prefill_attention(query.bfloat16(), key.bfloat16(), value.bfloat16(), key_cache.bfloat16(),
                             value_cache.bfloat16(), seq, 0.2)

