@@ -6,6 +6,7 @@
 #   bash bench/peers/serve_compare.sh [DTYPE] [vllm bench serve options...]
 #   bash bench/peers/serve_compare.sh bfloat16 --request-rate 2
 #   bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
+#   PAGEDLLM_ARGS="--quantization w8a8" bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
 #
 # Needs setup_vllm.sh's venv and exported model (VLLM_VENV, MODEL_DIR below). Loopback only.
 set -uo pipefail
@@ -22,12 +23,12 @@ export HF_HUB_OFFLINE=1
 
 grep -m1 "model name" /proc/cpuinfo
 echo "flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx512_bf16|avx512_vnni|avx_vnni|amx_bf16|amx_int8)$' | tr '\n' ' ')"
-echo "dtype $DTYPE; client options: $*"
+echo "dtype $DTYPE; client options: $*; pagedllm options: ${PAGEDLLM_ARGS:-none}"
 
 start_server() {  # $1: system
   if [ "$1" = pagedllm ]; then
     "$PAGEDLLM" serve --port "$PORT" --dtype "$DTYPE" --kv-cache-memory-bytes 4294967296 \
-      --served-model-name bench > "$LOGS/pagedllm.log" 2>&1 &
+      --served-model-name bench ${PAGEDLLM_ARGS:-} > "$LOGS/pagedllm.log" 2>&1 &
   else
     env VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND="0-$(($(nproc) - 1))" \
       LD_PRELOAD="$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null):$VLLM_VENV/lib/libiomp5.so" \
