@@ -22,7 +22,9 @@ Policy, in order:
 1. the replica matching the most leading blocks (at least ``min_match_blocks``), unless it is
    overloaded: more than ``max_imbalance`` requests above the least-loaded replica (in flight,
    or waiting in its engine), or KV usage at ``kv_usage_limit`` while another replica is below;
-2. otherwise, the least-loaded replicas (Serve then probes them and takes the shortest queue).
+2. otherwise, the least-loaded replicas: fewest requests in flight plus waiting, among those
+   whose KV usage is below ``kv_usage_limit`` if any (Serve then probes them and takes the
+   shortest queue).
 
 The first rank returned holds the choice of step 1 alone, the second the least loaded, so that a
 replica refusing the request (full, ``max_ongoing_requests``) falls through to step 2.
@@ -105,8 +107,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         if not candidate_replicas:
             return []
         loads = {r.replica_id: self._load(r) for r in candidate_replicas}
-        least = min(l[0] + l[1] for l in loads.values())
-        least_loaded = [r for r in candidate_replicas if sum(loads[r.replica_id][:2]) == least]
+        # Least loaded: fewest in flight + waiting, among those whose KV cache has room if any.
+        roomy = [r for r in candidate_replicas if loads[r.replica_id][2] < self.kv_usage_limit] or candidate_replicas
+        least = min(sum(loads[r.replica_id][:2]) for r in roomy)
+        least_loaded = [r for r in roomy if sum(loads[r.replica_id][:2]) == least]
         random.shuffle(least_loaded)
         keys = _prefix_keys(pending_request)
         if keys:
