@@ -94,8 +94,12 @@ def wait_for_replicas(url: str, count: int, condition=lambda reports: True, time
         time.sleep(0.2)
 
 
-def all_idle(reports: dict) -> bool:
-    return all(r["running"] == 0 and r["waiting"] == 0 and r["num_used_blocks"] == 0 for r in reports.values())
+def idle_since(moment: float):
+    """A condition: every replica reported after ``moment`` (``time.time()``) and is idle."""
+    def condition(reports: dict) -> bool:
+        return all(r["time"] > moment and r["running"] == 0 and r["waiting"] == 0 and r["num_used_blocks"] == 0
+                   for r in reports.values())
+    return condition
 
 
 def client(url: str, key: str = API_KEY) -> openai.OpenAI:
@@ -147,13 +151,13 @@ def test_api_keys_and_rate_limits_as_on_one_server(ray_server):
 
 def test_shared_prefix_lands_on_one_replica_unrelated_load_spreads(ray_server):
     url = ray_server.url
-    before = wait_for_replicas(url, 2, all_idle)
+    before = wait_for_replicas(url, 2, idle_since(time.time()))
     api = client(url)
     system = "You answer questions about the weather in great detail. " * 12  # about 130 tokens: 8 blocks
     for user in range(6):
         api.chat.completions.create(model=MODEL, max_tokens=2, messages=[
             {"role": "system", "content": system}, {"role": "user", "content": f"Question {user}: rain?"}])
-    after = wait_for_replicas(url, 2, all_idle)
+    after = wait_for_replicas(url, 2, idle_since(time.time()))
     queried = {r: after[r]["prefix_cache_queries"] - before[r]["prefix_cache_queries"] for r in before}
     hits = {r: after[r]["prefix_cache_hits"] - before[r]["prefix_cache_hits"] for r in before}
     holder = max(queried, key=queried.get)
@@ -167,14 +171,14 @@ def test_shared_prefix_lands_on_one_replica_unrelated_load_spreads(ray_server):
             model=MODEL, prompt=[1000 + 37 * i + j for j in range(40)], max_tokens=30,
             extra_body={"ignore_eos": True}) for i in range(8)))
     asyncio.run(burst())
-    spread = wait_for_replicas(url, 2, all_idle)
+    spread = wait_for_replicas(url, 2, idle_since(time.time()))
     new_queries = {r: spread[r]["prefix_cache_queries"] - after[r]["prefix_cache_queries"] for r in after}
     assert all(v >= 40 for v in new_queries.values()), new_queries
 
 
 def test_client_disconnect_frees_blocks_on_the_replica(ray_server):
     url = ray_server.url
-    wait_for_replicas(url, 2, all_idle)
+    wait_for_replicas(url, 2, idle_since(time.time()))
     body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 2000, "stream": True,
             "ignore_eos": True}
     with httpx.Client(timeout=30) as http:
@@ -187,13 +191,13 @@ def test_client_disconnect_frees_blocks_on_the_replica(ray_server):
             assert sum(r["running"] for r in busy.values()) == 1
         disconnected = time.monotonic()
     # 2000 tokens at >= 10 ms a step would run 20 s more; the abort frees the blocks at once.
-    wait_for_replicas(url, 2, all_idle, timeout=10)
+    wait_for_replicas(url, 2, idle_since(time.time()), timeout=10)
     assert time.monotonic() - disconnected < 10
 
 
 def test_killed_replica_ends_its_stream_with_an_error_and_is_replaced(ray_server):
     url = ray_server.url
-    before = wait_for_replicas(url, 2, all_idle)
+    before = wait_for_replicas(url, 2, idle_since(time.time()))
     body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 3000, "stream": True,
             "ignore_eos": True}
     with httpx.Client(timeout=60) as http:

@@ -315,8 +315,9 @@ class RayEngineClient:
         """Every live replica's ``report()``, by replica id, asked directly of the replica
         actors (fresh: the routers' copies come through Serve's controller, a period late).
         A replica that does not answer within ``timeout`` seconds is left out."""
-        loop = asyncio.get_running_loop()
-        named = await loop.run_in_executor(None, lambda: ray.util.list_named_actors(all_namespaces=True))
+        # Two GCS lookups of a few milliseconds, on the event loop: an executor thread here kept
+        # the ingress process from exiting at shutdown.
+        named = ray.util.list_named_actors(all_namespaces=True)
         names = [entry["name"] for entry in named
                  if entry["namespace"] == _SERVE_NAMESPACE and entry["name"].startswith(self._actor_prefix)]
         for name in set(self._actors) - set(names):
@@ -324,8 +325,7 @@ class RayEngineClient:
         for name in names:
             if name not in self._actors:
                 try:
-                    self._actors[name] = await loop.run_in_executor(
-                        None, lambda name=name: ray.get_actor(name, namespace=_SERVE_NAMESPACE))
+                    self._actors[name] = ray.get_actor(name, namespace=_SERVE_NAMESPACE)
                 except ValueError:  # gone since the listing
                     continue
         replicas = list(self._actors.items())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import replace
 from typing import Any, AsyncIterator, Optional
 
@@ -101,10 +102,11 @@ class EngineReplica:
             stream.close()  # aborts unless finished: the ingress cancelled the call
 
     def report(self) -> dict:
-        """Load and prefix keys, as plain data (what ``record_routing_stats`` returns)."""
+        """Load and prefix keys, as plain data (what ``record_routing_stats`` returns);
+        ``time`` is when it was taken (``time.time()``, seconds)."""
         stats, load = self.engine.stats, self.engine.load
         info = self.engine.model_info
-        return {"pid": self.pid, "healthy": self.engine.is_healthy, "num_threads": self.num_threads,
+        return {"time": time.time(), "pid": self.pid, "healthy": self.engine.is_healthy, "num_threads": self.num_threads,
                 "running": stats.num_running_reqs, "waiting": stats.num_waiting_reqs,
                 "kv_cache_usage": stats.kv_cache_usage, "num_blocks": stats.num_blocks,
                 "num_used_blocks": stats.num_used_blocks, "max_num_seqs": info.max_num_seqs,
