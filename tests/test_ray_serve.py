@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, RayTaskError
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
 from pagedllm.engine.async_engine import QueueFullError
@@ -133,6 +133,9 @@ def test_openai_client_stream_and_not_equal_offline_greedy(ray_server, reference
     assert httpx.get(ray_server.url + "/health").status_code == 200
     metrics = httpx.get(ray_server.url + "/metrics").text
     assert metrics.count("vllm:num_requests_waiting{") == 2  # one series per replica
+    # 2 replicas on C cores: C // 2 torch threads each, never more than the machine has.
+    cores = len(os.sched_getaffinity(0))
+    assert [r["num_threads"] for r in replicas(ray_server.url).values()] == [max(1, cores // 2)] * 2
 
 
 def test_api_keys_and_rate_limits_as_on_one_server(ray_server):
@@ -343,9 +346,12 @@ def test_remote_stream_retries_a_lost_replica_only_before_output():
     stream = remote_stream(FakeGenerator([output("a"), ActorDiedError()]))
     with pytest.raises(ReplicaLostError, match="died after 1 generated token"):
         asyncio.run(read_all(stream))
-    stream = remote_stream(FakeGenerator([QueueFullError("full")]))
-    with pytest.raises(QueueFullError):
+    # The replica's own exception, out of Ray's wrapper: the routes map it as on one server (429 here).
+    wrapped = RayTaskError("generate", "traceback", QueueFullError("8 sequences are waiting")).as_instanceof_cause()
+    stream = remote_stream(FakeGenerator([wrapped]))
+    with pytest.raises(QueueFullError) as raised:
         asyncio.run(read_all(stream))
+    assert type(raised.value) is QueueFullError and str(raised.value) == "8 sequences are waiting"
 
 
 def test_remote_stream_abort_and_close_cancel_the_replica_call():
@@ -409,6 +415,7 @@ def test_replica_plan_threads_and_autoscaling_options():
     autoscaling = engine._deployment_config.autoscaling_config
     assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.target_ongoing_requests) == (1, 3, 8)
     assert engine.ray_actor_options["num_cpus"] == 1
+    assert engine.ray_actor_options["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
     assert engine._deployment_config.request_router_config.request_router_class.endswith("PrefixAwareRequestRouter")
     with pytest.raises(ValueError, match="bad app_builder arguments"):
         app_builder({"no-such-option": "1"})

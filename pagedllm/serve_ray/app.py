@@ -68,7 +68,10 @@ def build_application(args: argparse.Namespace, cores: Optional[int] = None) -> 
         router_config = RequestRouterConfig(request_router_class=ROUTER_CLASS,
                                             request_routing_stats_period_s=args.routing_stats_period)
     options: dict[str, Any] = dict(
-        name=ENGINE_DEPLOYMENT, ray_actor_options={"num_cpus": plan.threads},
+        # OMP_NUM_THREADS as well as torch.set_num_threads: OpenMP reads it when the worker
+        # process starts, so every thread of the replica (the engine thread too) gets the count.
+        name=ENGINE_DEPLOYMENT, ray_actor_options={"num_cpus": plan.threads, "runtime_env": {
+            "env_vars": {"OMP_NUM_THREADS": str(plan.threads)}}},
         # Requests beyond a full batch wait in the engine's own queue (its 429 limit applies).
         max_ongoing_requests=2 * engine_args.max_num_seqs, request_router_config=router_config,
         graceful_shutdown_timeout_s=args.drain_timeout, health_check_period_s=2.0)
