@@ -106,7 +106,8 @@ class EngineReplica:
         ``time`` is when it was taken (``time.time()``, seconds)."""
         stats, load = self.engine.stats, self.engine.load
         info = self.engine.model_info
-        return {"time": time.time(), "pid": self.pid, "healthy": self.engine.is_healthy, "num_threads": self.num_threads,
+        return {"time": time.time(), "pid": self.pid, "healthy": self.engine.is_healthy,
+                "num_threads": self.num_threads,
                 "running": stats.num_running_reqs, "waiting": stats.num_waiting_reqs,
                 "kv_cache_usage": stats.kv_cache_usage, "num_blocks": stats.num_blocks,
                 "num_used_blocks": stats.num_used_blocks, "max_num_seqs": info.max_num_seqs,

@@ -230,8 +230,9 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str], api_key: 
             Only an ``AsyncLLMEngine`` has a block pool at hand.
 
     Raises:
-        ValueError: no served model name, a dashboard asked of another engine client, a key name used twice, a key with a priority
-            under the ``fcfs`` scheduling policy, ``max_queue_wait`` <= 0.
+        ValueError: no served model name, a dashboard asked of another engine client, a key
+            name used twice, a key with a priority under the ``fcfs`` scheduling policy,
+            ``max_queue_wait`` <= 0.
     """
     if not served_model_names:
         raise ValueError("served_model_names must hold at least one name")
