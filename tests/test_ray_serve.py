@@ -196,6 +196,13 @@ def test_client_disconnect_frees_blocks_on_the_replica(ray_server):
     # 2000 tokens at >= 10 ms a step would run 20 s more; the abort frees the blocks at once.
     wait_for_replicas(url, 2, idle_since(time.time()), timeout=10)
     assert time.monotonic() - disconnected < 10
+    # A non-streaming request whose client gives up is aborted as well.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=httpx.Timeout(30, read=2),
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    gave_up = time.monotonic()
+    wait_for_replicas(url, 2, idle_since(time.time()), timeout=10)
+    assert time.monotonic() - gave_up < 10
 
 
 def test_killed_replica_ends_its_stream_with_an_error_and_is_replaced(ray_server):
