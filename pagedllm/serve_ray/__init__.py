@@ -2,6 +2,7 @@
 
 - ``options.py``: ``pagedllm serve --replicas/--max-replicas/...`` and the replica plan (no Ray);
 - ``app.py``: the application, ``pagedllm serve --replicas N`` and ``app_builder`` for ``serve run``;
+- ``default_app.py``: the default application as an object, for ``serve build``;
 - ``replica.py``: ``EngineReplica``, one ``AsyncLLMEngine`` per replica;
 - ``ingress.py``: ``OpenAIIngress``, ``build_app``'s routes as the HTTP ingress;
 - ``engine_client.py``: ``RayEngineClient``, the replicas as the routes' ``EngineClient``;
