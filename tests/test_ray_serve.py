@@ -426,6 +426,9 @@ def test_replica_plan_threads_and_autoscaling_options():
     assert engine._deployment_config.request_router_config.request_router_class.endswith("PrefixAwareRequestRouter")
     with pytest.raises(ValueError, match="bad app_builder arguments"):
         app_builder({"no-such-option": "1"})
+    # `serve build pagedllm.serve_ray.default_app:app` needs an Application object.
+    from pagedllm.serve_ray.default_app import app as default_app
+    assert default_app._bound_deployment.init_args[0]._bound_deployment.num_replicas == 1
 
 
 # --------------------------------------------------------------------------------- KubeRay
