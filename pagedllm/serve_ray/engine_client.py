@@ -130,8 +130,6 @@ class RemoteRequestStream:
                     raise ReplicaLostError(f"the replica serving this request died after {sent} generated "
                                            f"token(s) had been streamed: {_cause(exc)}; retry the request") from None
                 raise _cause(exc) from None
-            if isinstance(item, str) and item == ACCEPTED:
-                continue
             self.last_output = item
             if item.finished:
                 self._end()
@@ -274,8 +272,6 @@ class RayEngineClient:
                 refuses; QueueFullError, EngineDrainingError, EngineDeadError as the replica's
                 engine raises them; ReplicaLostError when no replica could take it.
         """
-        if self._poller is None:
-            self._poller = asyncio.get_running_loop().create_task(self._poll_reports())
         text, token_ids = self._input_processor.tokenize(prompt)
         engine_prompt = {"prompt_token_ids": token_ids, "prompt": text}
         keys = tuple(prefix_block_hashes(token_ids, self.model_info.block_size, cache_salt))
@@ -362,7 +358,7 @@ class RayEngineClient:
             await asyncio.sleep(max(0.0, self.report_interval - (time.monotonic() - started)))
 
     def start(self) -> None:
-        """Start fetching reports now (else at the first request)."""
+        """Start fetching the replicas' reports (on the running event loop)."""
         if self._poller is None:
             self._poller = asyncio.get_running_loop().create_task(self._poll_reports())
 
