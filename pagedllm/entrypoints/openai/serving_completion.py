@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator, Optional, Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.engine.async_engine import RequestStream
+from pagedllm.engine.protocol import OutputStream
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing, SSEResponse,
                                                         collect_final, merge_streams, now_seconds,
@@ -83,7 +83,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 "choices": choices, "usage": usage(finals)}
 
     async def _stream(self, request: CompletionRequest, request_id: str, created: int,
-                      streams: Sequence[RequestStream]) -> AsyncIterator[str]:
+                      streams: Sequence[OutputStream]) -> AsyncIterator[str]:
         states: dict[int, ChoiceState] = {}
         finals: list[Optional[RequestOutput]] = [None] * len(streams)
 

@@ -17,10 +17,10 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedllm.engine.async_engine import (AsyncLLMEngine, EngineDeadError, EngineDrainingError,
-                                          QueueFullError, RequestFailedError, RequestStream,
-                                          RequestTimeoutError)
+from pagedllm.engine.async_engine import (EngineDeadError, EngineDrainingError, QueueFullError,
+                                          RequestFailedError, RequestTimeoutError)
 from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.protocol import EngineClient, OutputStream
 from pagedllm.entrypoints.openai.api_keys import ANONYMOUS, Admission, APIKey, RateLimiter, RateLimitError
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -130,7 +130,7 @@ class Submission:
     registry. ``close()`` (idempotent) ends all three: unfinished engine requests are aborted,
     the key is charged the tokens of the outputs the client got, the id is forgotten."""
 
-    def __init__(self, context: ClientContext, response_id: str, streams: list[RequestStream],
+    def __init__(self, context: ClientContext, response_id: str, streams: list[OutputStream],
                  admission: Admission, registry: "RequestRegistry") -> None:
         self.context = context
         self.response_id = response_id
@@ -211,12 +211,13 @@ class OpenAIServing:
     """Base of the completion and chat handlers.
 
     Args:
-        engine: the running ``AsyncLLMEngine``.
+        engine: the running engine: an ``AsyncLLMEngine``, or Ray Serve replicas behind a
+            ``RayEngineClient`` (``engine/protocol.py``).
         served_model_names: names accepted in ``model``; the first one is reported.
         policy: limits, cancellation registry and overload settings (default: none).
     """
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: Sequence[str],
+    def __init__(self, engine: EngineClient, served_model_names: Sequence[str],
                  policy: Optional[ServerPolicy] = None) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
@@ -337,7 +338,7 @@ class OpenAIServing:
             headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
             raise OpenAIError(429, str(exc), "RateLimitError", headers=headers) from None
         response_id = f"{prefix}-{context.request_id}"
-        streams: list[RequestStream] = []
+        streams: list[OutputStream] = []
         try:
             try:
                 self.check_overload(priority)
@@ -381,7 +382,7 @@ def usage(outputs: Sequence[Optional[RequestOutput]]) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge_streams(streams: Sequence[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """``(prompt index, output)`` from several streams as they come; closes them all at the end
     (which aborts those unfinished: the reader was cancelled or failed)."""
     pending = {asyncio.ensure_future(stream.__anext__()): i for i, stream in enumerate(streams)}
@@ -403,7 +404,7 @@ async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple
             stream.close()
 
 
-async def collect_final(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+async def collect_final(streams: Sequence[OutputStream]) -> list[RequestOutput]:
     """The final output of every stream (in order).
 
     Raises:

@@ -1,0 +1,155 @@
+"""The Ray Serve application: ``pagedllm serve --replicas N`` on one machine, ``app_builder``
+for ``serve run`` / ``serve build`` on a cluster.
+
+    HTTP ─▶ Serve proxy ─▶ OpenAIIngress (1 replica: build_app's routes over RayEngineClient)
+                                 │ handle.generate, streaming; PrefixAwareRequestRouter picks
+                                 ▼
+                 EngineReplica × N (each: AsyncLLMEngine, its KV and prefix cache, T threads)
+
+Both entry points parse the same options, ``pagedllm serve``'s parser, so every engine and
+server flag means the same thing in both: ``serve run pagedllm.serve_ray.app:app_builder
+model=... replicas=2 max-num-seqs=32`` passes ``--model ... --replicas 2 --max-num-seqs 32``.
+
+Threads: each replica runs ``--threads-per-replica`` torch threads (default: this machine's
+cores // the most replicas there can be, at least 1) and asks Ray for as many CPUs, so that N
+replicas on C cores never oversubscribe them and Ray places no more replicas on a node than its
+CPUs hold.
+
+Autoscaling (``--max-replicas M`` above ``--replicas N``): Serve's autoscaler keeps between N and
+M replicas so that each has about ``--target-ongoing-requests`` requests in flight (running or
+waiting in its engine): a queue that grows adds replicas, an idle one drains back to N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+from pagedllm.config import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+from pagedllm.serve_ray.options import APP_NAME, ENGINE_DEPLOYMENT, ROUTER_CLASS, ReplicaPlan
+
+
+def build_application(args: argparse.Namespace, cores: Optional[int] = None) -> Any:
+    """The Serve application (ingress bound to the engine deployment) for ``pagedllm serve``'s
+    parsed ``args``.
+
+    Args:
+        cores: CPUs to share among replicas (default: this process's CPU affinity).
+
+    Raises:
+        ValueError: bad options (``ReplicaPlan``, ``EngineArgs``, the keys file).
+    """
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from pagedllm.entrypoints.openai.api_server import server_api_keys
+    from pagedllm.models.loader import DEFAULT_MODEL_FILE
+    from pagedllm.serve_ray.ingress import OpenAIIngress
+    from pagedllm.serve_ray.replica import EngineReplica
+
+    cores = cores or len(os.sched_getaffinity(0))
+    plan = ReplicaPlan.from_args(args, cores)
+    engine_args = EngineArgs.from_cli_args(args)
+    api_key, api_keys = server_api_keys(args)
+    if args.max_queue_wait is not None and not args.max_queue_wait > 0:
+        raise ValueError(f"--max-queue-wait must be > 0 seconds, got {args.max_queue_wait}")
+    names = args.served_model_name or [args.model or Path(DEFAULT_MODEL_FILE).stem]
+    router_config = RequestRouterConfig(request_routing_stats_period_s=args.routing_stats_period)
+    if args.router == "prefix":
+        router_config = RequestRouterConfig(request_router_class=ROUTER_CLASS,
+                                            request_routing_stats_period_s=args.routing_stats_period)
+    options: dict[str, Any] = dict(
+        # OMP_NUM_THREADS as well as torch.set_num_threads: OpenMP reads it when the worker
+        # process starts, so every thread of the replica (the engine thread too) gets the count.
+        name=ENGINE_DEPLOYMENT, ray_actor_options={"num_cpus": plan.threads, "runtime_env": {
+            "env_vars": {"OMP_NUM_THREADS": str(plan.threads)}}},
+        # Requests beyond a full batch wait in the engine's own queue (its 429 limit applies).
+        max_ongoing_requests=2 * engine_args.max_num_seqs, request_router_config=router_config,
+        graceful_shutdown_timeout_s=args.drain_timeout, health_check_period_s=2.0)
+    if plan.target_ongoing_requests is None:
+        options["num_replicas"] = plan.min_replicas
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": plan.min_replicas, "max_replicas": plan.max_replicas,
+            "target_ongoing_requests": plan.target_ongoing_requests,
+            "upscale_delay_s": 2.0, "downscale_delay_s": 20.0, "metrics_interval_s": 1.0,
+            "look_back_period_s": 5.0}
+    engine = serve.deployment(EngineReplica).options(**options).bind(
+        dataclasses.asdict(engine_args), names[0], plan.threads, args.engine_factory,
+        args.max_waiting_requests, args.request_timeout)
+    ingress = serve.deployment(OpenAIIngress).options(
+        name="OpenAIIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=10_000)
+    return ingress.bind(engine, names, APP_NAME, ENGINE_DEPLOYMENT, api_key, api_keys, args.max_queue_wait,
+                        args.request_timeout, str(args.model or DEFAULT_MODEL_FILE))
+
+
+def app_builder(args: dict[str, str]) -> Any:
+    """``serve run pagedllm.serve_ray.app:app_builder key=value ...``: each ``key=value`` is
+    ``pagedllm serve``'s ``--key value`` (``true`` for a flag), ``model=`` the model.
+
+    Raises:
+        ValueError: an unknown option or a bad value (argparse's message).
+    """
+    from pagedllm.entrypoints.cli import build_parser
+
+    argv = ["serve"]
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if str(value).lower() == "true":
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    parser = build_parser()
+    parser.exit_on_error = False
+    try:
+        parsed = parser.parse_args(argv)
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise ValueError(f"bad app_builder arguments {args}: {exc}") from None
+    if parsed.replicas is None:
+        parsed.replicas = 1
+    return build_application(parsed)
+
+
+def run_replicas(args: argparse.Namespace) -> int:
+    """``pagedllm serve --replicas N``: start Ray (local, unless ``--ray-address``), serve the
+    application on ``--host:--port`` until SIGTERM/SIGINT, then shut Serve down (replicas get
+    ``--drain-timeout`` to finish) and return 0.
+
+    Raises:
+        ValueError: bad options, or the port is taken.
+    """
+    import ray
+    from ray import serve
+
+    from pagedllm.entrypoints.openai.api_server import check_port_free
+
+    cores = len(os.sched_getaffinity(0))
+    application = build_application(args, cores)  # options are checked before Ray starts
+    check_port_free(args.host, args.port)
+    if args.ray_address:
+        ray.init(address=args.ray_address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
+        logger.info("serving %s replica(s) of %s on http://%s:%d", args.replicas,
+                       args.served_model_name or args.model or "the default model", args.host, args.port)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
