@@ -25,11 +25,16 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.request import Request
 
 CATEGORIES = [
+    # decode_layers calls its ops directly (not through the dispatcher): only the linear layers
+    # inside it (mkldnn, _int_mm) show up apart; the rest of each layer is this op's own time.
+    ("decode_layers op (norms, rope, attention, kv write)", ("pagedllm::decode_layers",)),
     ("attention (decode kernel)", ("pagedllm::paged_decode_attention",)),
     ("attention (sdpa)", ("aten::scaled_dot_product", "aten::_scaled_dot_product")),
     ("kv write + gathers", ("pagedllm::reshape_and_cache", "aten::index_copy", "aten::index",
                             "aten::repeat_interleave", "aten::masked_fill")),
-    ("linear layers", ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul")),
+    ("linear layers", ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul",
+                       "mkldnn::_linear_pointwise", "pagedllm::w8a8_linear", "aten::_int_mm", "pagedllm::int8_linear",
+                       "pagedllm::int4_linear")),
     ("sampling", ("aten::argmax", "aten::sort", "aten::topk", "aten::softmax", "aten::log_softmax",
                   "aten::exponential", "aten::gather")),
 ]
@@ -79,7 +84,7 @@ def profile_step(runner, scheduled, tables) -> tuple[float, dict[str, float]]:
     for event in prof.key_averages():
         if event.key == "step":
             wall = event.cpu_time_total / 1e6
-        elif event.key.startswith(("aten::", "pagedllm::")):
+        elif event.key.startswith(("aten::", "pagedllm::", "mkldnn::")):
             per_category[categorize(event.key)] += event.self_cpu_time_total / 1e6
     per_category["python + other"] = wall - sum(per_category.values())
     return wall, per_category
@@ -88,6 +93,7 @@ def profile_step(runner, scheduled, tables) -> tuple[float, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, help="as LLM(quantization=...)")
     parser.add_argument("--context", type=int, default=300, help="cached tokens per decode sequence")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -95,7 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    llm = LLM(dtype=args.dtype, kv_cache_memory_bytes=1 << 30, max_model_len=2048, max_num_seqs=64)
+    llm = LLM(dtype=args.dtype, quantization=args.quantization, kv_cache_memory_bytes=1 << 30, max_model_len=2048, max_num_seqs=64)
     runner = llm.llm_engine.model_runner
     print(f"dtype {llm.llm_engine.model.dtype}, {torch.get_num_threads()} threads")
     for kind in ("decode", "prefill"):
