@@ -35,6 +35,8 @@
 namespace pagedllm {
 namespace {
 
+constexpr int64_t kParallelElements = 1 << 16;
+
 inline float load_scalar(const float* p) { return *p; }
 inline float load_scalar(const c10::BFloat16* p) { return static_cast<float>(*p); }
 inline void store_scalar(float* p, float v) { *p = v; }
@@ -103,7 +105,8 @@ at::Tensor w8a8_linear_impl(const at::Tensor& x, const at::Tensor& codes, const 
   const float* sp = smooth_inv.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* xsp = x_scales.data_ptr<float>();
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+  // Grains of about 64K elements: below that a parallel region costs more than it saves.
+  at::parallel_for(0, m, std::max<int64_t>(1, kParallelElements / k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) xsp[r] = quantize_row(xp + r * k, sp, qp + r * k, k);
   });
   const at::Tensor acc = at::_int_mm(q, codes.t());
@@ -112,7 +115,7 @@ at::Tensor w8a8_linear_impl(const at::Tensor& x, const at::Tensor& codes, const 
   const float* wsp = scales.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   T* yp = y.data_ptr<T>();
-  at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, m, std::max<int64_t>(1, kParallelElements / n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) dequantize_row(ap + r * n, xsp[r], wsp, bp, yp + r * n, n);
   });
   return y;
