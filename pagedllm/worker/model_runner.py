@@ -8,11 +8,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import mmap
 import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 from pagedllm.core.request import Request
@@ -233,17 +233,29 @@ class ModelRunner:
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor whose pages the OS maps on first touch (calloc through numpy).
+    """A zero tensor in anonymous memory that the OS maps on first touch, in 2 MiB pages.
 
     ``torch.zeros`` writes every byte up front: for a multi-GiB KV pool that is tens of seconds
     of page faults at start and the whole budget resident at once. Zeros (not ``empty``) matter:
     padded slots of a block are read by the attention and must hold finite values.
+    ``MADV_HUGEPAGE`` (where the kernel has it; transparent huge pages are often in "madvise"
+    mode) makes each first touch map 2 MiB instead of 4 KiB: 512x fewer page faults while the
+    pool fills, and the attention's block-table walks over scattered blocks miss the TLB far
+    less (bench/README.md, "Huge pages for the KV pool").
     """
     numel = 1
     for dim in shape:
         numel *= dim
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            memory.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: 4 KiB pages, same contents
+            pass
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
 ONEDNN_CACHE_CAPACITY = 128
