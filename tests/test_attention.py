@@ -17,7 +17,7 @@ import torch
 from pagedllm.layers import ops as ops_module
 from pagedllm.layers.attention import (AttentionMetadata, PrefillSequence, paged_attention,
                                        paged_decode_attention, paged_decode_attention_torch,
-                                       prefill_attention)
+                                       prefill_attention, prefill_attention_sdpa, write_kv_cache)
 from pagedllm.layers.ops import native_ops
 
 NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM = 64, 16, 64
@@ -138,6 +138,35 @@ def test_decode_kernel_fp32_query_over_bf16_cache(kernel, head_dim):
                                       context_lens, scale)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (4, 1, 256), (8, 2, 64)])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("window", [0, 40])
+def test_decode_kernel_work_splits_agree_bitwise(kernel, num_heads, num_kv_heads, head_dim, dtypes, window):
+    """A batch of 16 sequences is split one item per sequence (every KV head of a block read
+    together), one sequence alone one item per KV head: the same arithmetic in the same order,
+    so each sequence's output is bitwise the same either way, and matches the reference."""
+    query_dtype, cache_dtype = dtypes
+    query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(
+        16, num_heads, num_kv_heads, cache_dtype, seed=head_dim + num_heads, head_dim=head_dim)
+    query = query.to(query_dtype)
+    scale = head_dim ** -0.5
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 16 sequences >= 4 per thread: split by sequence
+    try:
+        batched = kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale,
+                                                window)
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(16):
+        alone = kernel.paged_decode_attention(query[i:i + 1], key_cache, value_cache, block_tables[i:i + 1],
+                                              context_lens[i:i + 1], scale, window)
+        assert torch.equal(batched[i:i + 1], alone), f"sequence {i}"
+    if window == 0 and query_dtype == torch.float32:
+        expected = decode_reference(query, key_cache, value_cache, block_tables, context_lens, scale)
+        torch.testing.assert_close(batched.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_kernel_reads_strided_query(kernel):
     """The model passes q as a view into the fused QKV projection (row stride > H * D)."""
     query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(5, 4, 2, torch.float32, 3)
@@ -250,3 +279,53 @@ def test_prefill_bf16_close_to_fp32(q_len):
                             value_cache.bfloat16(), seq, 0.2)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=2 ** -6, atol=2e-2)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (4, 1, 256)])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("num_cached,q_len", [(0, 1), (0, 37), (23, 40), (150, 7), (5, 130)])
+def test_prefill_kernel_matches_reference_and_sdpa(kernel, num_heads, num_kv_heads, head_dim, dtypes,
+                                                   num_cached, q_len):
+    """The C++ prefill kernel (16 x 16 tiles, online softmax, K/V through the block table)
+    against fp64 math on the cached values and against the SDPA path, for every dtype pair
+    and the head shapes of SmolLM2, Qwen2.5-0.5B and Gemma 3; chunks with and without a cached
+    prefix, partial tiles, a single token."""
+    if not kernel.prefill_attention_supported(head_dim):
+        pytest.skip("this build has no AVX-512 prefill kernel (prefill_attention uses SDPA)")
+    query_dtype, cache_dtype = dtypes
+    key_cache, value_cache, g = random_caches(num_kv_heads, cache_dtype, seed=num_cached + q_len, head_dim=head_dim)
+    context_len = num_cached + q_len
+    table = torch.randperm(NUM_BLOCKS, generator=g)[:-(-context_len // BLOCK_SIZE)]
+    query = torch.randn(q_len, num_heads, head_dim, generator=g).to(query_dtype)
+    key = torch.randn(q_len, num_kv_heads, head_dim, generator=g).to(query_dtype)
+    value = torch.randn(q_len, num_kv_heads, head_dim, generator=g).to(query_dtype)
+    positions = list(range(num_cached, context_len))
+    slots = torch.tensor([int(table[p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in positions])
+    write_kv_cache(key, value, key_cache, value_cache, slots)
+    seq = PrefillSequence(0, q_len, context_len, table)
+    scale = head_dim ** -0.5
+    out = kernel.paged_prefill_attention(query, key_cache, value_cache, table, context_len, scale)
+    assert out.dtype == query_dtype and out.shape == query.shape
+    torch.testing.assert_close(prefill_attention(query, key, value, key_cache, value_cache, seq, scale), out,
+                               rtol=0, atol=0)
+    expected = dense_reference(query, key_cache, value_cache, table.tolist(), context_len, positions, scale)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if query_dtype == torch.float32 else dict(rtol=2 ** -8, atol=1e-3)
+    torch.testing.assert_close(out.double(), expected, **tolerance)
+    sdpa = prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale)
+    torch.testing.assert_close(out.float(), sdpa.float(), **(dict(rtol=1e-5, atol=1e-5) if query_dtype == torch.float32
+                                                             else dict(rtol=2 ** -6, atol=2e-2)))
+
+
+def test_prefill_kernel_rejects_bad_tables_and_lengths(kernel):
+    if not kernel.prefill_attention_supported(HEAD_DIM):
+        pytest.skip("this build has no AVX-512 prefill kernel")
+    key_cache, value_cache, g = random_caches(2, torch.float32, seed=3)
+    query = torch.randn(20, 4, HEAD_DIM, generator=g)
+    table = torch.tensor([5, 64])
+    with pytest.raises(ValueError, match=r"block_table\[1\] = 64 is outside \[0, 64\)"):
+        kernel.paged_prefill_attention(query, key_cache, value_cache, table, 20, 1.0)
+    with pytest.raises(ValueError, match=r"context_len 40 must be in \[q_len = 20, 32\]"):
+        kernel.paged_prefill_attention(query, key_cache, value_cache, torch.tensor([1, 2]), 40, 1.0)
+    with pytest.raises(ValueError, match="head_dim 48 is not supported"):
+        kernel.paged_prefill_attention(torch.randn(4, 4, 48), key_cache, value_cache, torch.tensor([1]), 4, 1.0)

@@ -69,29 +69,37 @@ inline void prefetch_row(const T* row, int64_t row_bytes) {
   for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(bytes + off, 0, 3);
 }
 
+// Sequences per thread from which a decode batch is split by sequence, not by KV head.
+constexpr int64_t kSeqsPerThread = 4;
+
 #if defined(__AVX512F__)
 using pagedllm_vec::exp512;
 using pagedllm_vec::load16;
 
 // AVX-512 path (used when the build machine has AVX-512F and head_dim is a multiple of 16).
-// Per work item and group of up to kMaxGroup query heads: every K row is loaded once and
+// Per group of up to kMaxGroup query heads sharing a KV head: every K row is loaded once and
 // dotted with all the group's queries, the softmax is exponentiated 16 scores at a time, and
-// every V row is loaded once and accumulated into all the group's outputs, so K/V are read
-// from memory once per item. Measured 1.6x faster than the scalar path on a cold cache
-// (bench/README.md), and ~1.8x faster again after the sixth round's changes (row-spread
-// prefetch, accumulators kept in registers).
+// every V row is loaded once and accumulated into all the group's outputs. Measured 1.6x
+// faster than the scalar path on a cold cache (bench/README.md), ~1.8x faster again after the
+// sixth round's changes (row-spread prefetch, accumulators kept in registers per block).
+//
+// Two work splits share these pieces (bitwise the same results: every score, sum and
+// accumulation happens in the same order):
+//   - one item per (sequence, KV head) when there are few sequences (a batch-1 decode still
+//     uses both cores): an item reads its head's part of every token row, head_dim elements
+//     of a num_kv_heads * head_dim row;
+//   - one item per sequence otherwise: the item walks each block once for all KV heads, so
+//     memory is read in whole contiguous blocks (a third of every row at a time measured
+//     ~2x slower from DRAM at batch 64 with SmolLM2's 3 KV heads, bench/README.md, "Zen 4").
 
 constexpr int kMaxGroup = 4;
 
-// Attention of kGroup query heads (consecutive, sharing one KV head) over one sequence.
-// q: first head's query, q_head_stride apart; k/v_base point at the KV head's first element
-// of block 0 of the cache (element type C); tokens start .. context_len - 1 are attended to;
-// scores: scratch of kGroup * (context_len - start) floats.
+// Scores of kGroup query heads (consecutive, one KV head's) for `count` token rows of a block:
+// scores[g * n + slot] = scale * q_g . k_slot. rows: the KV head's part of the first row;
+// next: the same row of the next block, prefetched `prefetch_bytes` per row.
 template <typename T, typename C, int kHeadDim, int kGroup>
-void attend_group_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* v_base,
-                         const int64_t* table, int64_t start, int64_t context_len, int64_t block_size,
-                         int64_t block_stride, int64_t token_stride, float scale, float* scores,
-                         T* out) {
+inline void group_scores(const T* q, int64_t q_head_stride, float scale, const C* rows, const C* next,
+                         int64_t count, int64_t token_stride, int64_t prefetch_bytes, float* scores, int64_t n) {
   constexpr int kChunks = kHeadDim / 16;
   __m512 qv[kGroup][kChunks];
   for (int g = 0; g < kGroup; ++g) {
@@ -99,24 +107,45 @@ void attend_group_avx512(const T* q, int64_t q_head_stride, const C* k_base, con
       qv[g][c] = _mm512_mul_ps(load16(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
     }
   }
-  constexpr int64_t kRowBytes = kHeadDim * sizeof(C);
-  const int64_t n = context_len - start;
-  for_each_cached_block(k_base, table, start, context_len, block_size, block_stride, token_stride,
-                        [&](const C* block, const C* next, int64_t first, int64_t count) {
-    for (int64_t slot = 0; slot < count; ++slot) {
-      prefetch_row(next + slot * token_stride, kRowBytes);
-      const C* k = block + slot * token_stride;
-      __m512 kv[kChunks];
-      for (int c = 0; c < kChunks; ++c) kv[c] = load16(k + 16 * c);
-      for (int g = 0; g < kGroup; ++g) {
-        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-        scores[g * n + first + slot] = _mm512_reduce_add_ps(acc);
-      }
+  for (int64_t slot = 0; slot < count; ++slot) {
+    prefetch_row(next + slot * token_stride, prefetch_bytes);
+    const C* k = rows + slot * token_stride;
+    __m512 kv[kChunks];
+    for (int c = 0; c < kChunks; ++c) kv[c] = load16(k + 16 * c);
+    for (int g = 0; g < kGroup; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+      scores[g * n + slot] = _mm512_reduce_add_ps(acc);
     }
-  });
-  float inv_sum[kGroup];
-  for (int g = 0; g < kGroup; ++g) {
+  }
+}
+
+// acc[g * kHeadDim ..] += sum over `count` rows of p[g * n + slot] * v_slot, for kGroup heads.
+// The accumulators live in registers for the block (indexed [g][c] in place, GCC kept them in
+// memory and stored all of them after every row: 2x slower).
+template <typename C, int kHeadDim, int kGroup>
+inline void group_accumulate(const float* p, int64_t n, const C* rows, const C* next, int64_t count,
+                             int64_t token_stride, int64_t prefetch_bytes, float* acc) {
+  constexpr int kChunks = kHeadDim / 16;
+  __m512 a[kGroup * kChunks];
+  for (int i = 0; i < kGroup * kChunks; ++i) a[i] = _mm512_loadu_ps(acc + 16 * i);
+  for (int64_t slot = 0; slot < count; ++slot) {
+    prefetch_row(next + slot * token_stride, prefetch_bytes);
+    const C* v = rows + slot * token_stride;
+    __m512 vv[kChunks];
+    for (int c = 0; c < kChunks; ++c) vv[c] = load16(v + 16 * c);
+    for (int g = 0; g < kGroup; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * n + slot]);
+      for (int c = 0; c < kChunks; ++c) a[g * kChunks + c] = _mm512_fmadd_ps(w, vv[c], a[g * kChunks + c]);
+    }
+  }
+  for (int i = 0; i < kGroup * kChunks; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
+}
+
+// In place: each of `rows` rows of n scores (n apart) becomes exp(score - max); returns nothing,
+// writes 1 / sum of each row into inv_sum.
+inline void softmax_rows(float* scores, int64_t n, int64_t rows, float* inv_sum) {
+  for (int64_t g = 0; g < rows; ++g) {
     float* s = scores + g * n;
     __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t t = 0;
@@ -139,33 +168,71 @@ void attend_group_avx512(const T* q, int64_t q_head_stride, const C* k_base, con
     }
     inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
   }
-  // The accumulators are copied into a flat local array for each block's row loop: indexed
-  // [g][c] in place, GCC kept them in memory and stored all of them after every row (2x slower).
-  __m512 acc[kGroup * kChunks];
-  for (int i = 0; i < kGroup * kChunks; ++i) acc[i] = _mm512_setzero_ps();
-  for_each_cached_block(v_base, table, start, context_len, block_size, block_stride, token_stride,
+}
+
+// Calls f(std::integral_constant<int, G>) for the group chunk size G = min(kMaxGroup, left).
+template <typename F>
+inline void with_group(int64_t left, F&& f) {
+  switch (std::min<int64_t>(kMaxGroup, left)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// Attention of one sequence's query heads kv_head_begin * group .. kv_head_end * group - 1 over
+// tokens start .. context_len - 1. q: the sequence's first query head; k/v_base: the cache's
+// first element (block 0, KV head 0); scores: scratch of (heads) * (context_len - start)
+// floats, acc of (heads) * kHeadDim floats; out: the sequence's output row [num_heads, kHeadDim].
+template <typename T, typename C, int kHeadDim>
+void attend_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* v_base, const int64_t* table,
+                   int64_t start, int64_t context_len, int64_t block_size, int64_t block_stride,
+                   int64_t token_stride, int64_t group, int64_t kv_head_begin, int64_t kv_head_end, float scale,
+                   float* scores, float* acc, float* inv_sum, T* out) {
+  const int64_t n = context_len - start;
+  const int64_t first_head = kv_head_begin * group, heads = (kv_head_end - kv_head_begin) * group;
+  // The first KV head's rows prefetch the next block's whole span of the walked heads.
+  const int64_t span_bytes = (kv_head_end - kv_head_begin) * kHeadDim * static_cast<int64_t>(sizeof(C));
+  const int64_t head_bytes = kHeadDim * static_cast<int64_t>(sizeof(C));
+  const int64_t offset = kv_head_begin * kHeadDim;
+  for_each_cached_block(k_base + offset, table, start, context_len, block_size, block_stride, token_stride,
                         [&](const C* block, const C* next, int64_t first, int64_t count) {
-    __m512 a[kGroup * kChunks];
-    for (int i = 0; i < kGroup * kChunks; ++i) a[i] = acc[i];
-    for (int64_t slot = 0; slot < count; ++slot) {
-      prefetch_row(next + slot * token_stride, kRowBytes);
-      const C* v = block + slot * token_stride;
-      __m512 vv[kChunks];
-      for (int c = 0; c < kChunks; ++c) vv[c] = load16(v + 16 * c);
-      for (int g = 0; g < kGroup; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * n + first + slot]);
-        for (int c = 0; c < kChunks; ++c) a[g * kChunks + c] = _mm512_fmadd_ps(p, vv[c], a[g * kChunks + c]);
+    for (int64_t h = 0; h < kv_head_end - kv_head_begin; ++h) {
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+        const int64_t head = h * group + g0;
+        with_group(group - g0, [&](auto size) {
+          group_scores<T, C, kHeadDim, decltype(size)::value>(
+              q + (first_head + head) * q_head_stride, q_head_stride, scale, block + h * kHeadDim,
+              next + h * kHeadDim, count, token_stride, head == 0 ? span_bytes : (g0 == 0 ? head_bytes : 0),
+              scores + head * n + first, n);
+        });
       }
     }
-    for (int i = 0; i < kGroup * kChunks; ++i) acc[i] = a[i];
   });
-  for (int g = 0; g < kGroup; ++g) {
-    T* o = out + g * kHeadDim;
-    alignas(64) float tmp[kHeadDim];
-    for (int c = 0; c < kChunks; ++c) {
-      _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(acc[g * kChunks + c], _mm512_set1_ps(inv_sum[g])));
+  softmax_rows(scores, n, heads, inv_sum);
+  for (int64_t i = 0; i < heads * kHeadDim; ++i) acc[i] = 0.f;
+  for_each_cached_block(v_base + offset, table, start, context_len, block_size, block_stride, token_stride,
+                        [&](const C* block, const C* next, int64_t first, int64_t count) {
+    for (int64_t h = 0; h < kv_head_end - kv_head_begin; ++h) {
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+        const int64_t head = h * group + g0;
+        with_group(group - g0, [&](auto size) {
+          group_accumulate<C, kHeadDim, decltype(size)::value>(
+              scores + head * n + first, n, block + h * kHeadDim, next + h * kHeadDim, count, token_stride,
+              head == 0 ? span_bytes : (g0 == 0 ? head_bytes : 0), acc + head * kHeadDim);
+        });
+      }
     }
-    for (int d = 0; d < kHeadDim; ++d) o[d] = static_cast<T>(tmp[d]);
+  });
+  for (int64_t head = 0; head < heads; ++head) {
+    T* o = out + (first_head + head) * kHeadDim;
+    const __m512 inv = _mm512_set1_ps(inv_sum[head]);
+    for (int c = 0; c < kHeadDim / 16; ++c) {
+      alignas(64) float tmp[16];
+      _mm512_store_ps(tmp, _mm512_mul_ps(_mm512_loadu_ps(acc + head * kHeadDim + 16 * c), inv));
+      for (int d = 0; d < 16; ++d) o[16 * c + d] = static_cast<T>(tmp[d]);
+    }
   }
 }
 #endif  // __AVX512F__
@@ -197,13 +264,23 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* out_base = out.data_ptr<T>();
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+  constexpr bool kVector = kHeadDim > 0 && kHeadDim % 16 == 0;
+#else
+  constexpr bool kVector = false;
+#endif
+  // Whole sequences per item once there are kSeqsPerThread of them per thread (see the AVX-512
+  // section); the generic path always takes one KV head per item.
+  const bool whole_seqs = kVector && num_seqs >= kSeqsPerThread * at::get_num_threads();
+  const int64_t heads_per_item = whole_seqs ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / heads_per_item;
+  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_f(head_dim);
     std::vector<float> acc(head_dim);
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads;
-      const int64_t kv_head = item % num_kv_heads;
+      const int64_t seq = item / items_per_seq;
+      const int64_t kv_head = (item % items_per_seq) * heads_per_item;
       const int64_t context_len = lens[seq];
       TORCH_CHECK_VALUE(context_len >= 1 && context_len <= max_blocks * block_size,
                         "context_lens[", seq, "] = ", context_len, " must be in [1, ",
@@ -217,26 +294,14 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
                           "] = ", table[b], " is outside [0, ", num_blocks, ")");
       }
 #if defined(__AVX512F__)
-      if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
-        scores.resize(std::min<int64_t>(group, kMaxGroup) * n);
-        for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
-          const int64_t head = kv_head * group + g0;
-          const T* q = q_base + seq * q_seq_stride + head * q_head_stride;
-          T* o = out_base + (seq * num_heads + head) * head_dim;
-          const C* k = k_base + kv_head * head_dim;
-          const C* v = v_base + kv_head * head_dim;
-          auto attend = [&](auto group_size) {
-            attend_group_avx512<T, C, kHeadDim, decltype(group_size)::value>(
-                q, q_head_stride, k, v, table, start, context_len, block_size, block_stride, token_stride,
-                scale, scores.data(), o);
-          };
-          switch (std::min<int64_t>(kMaxGroup, group - g0)) {
-            case 1: attend(std::integral_constant<int, 1>{}); break;
-            case 2: attend(std::integral_constant<int, 2>{}); break;
-            case 3: attend(std::integral_constant<int, 3>{}); break;
-            default: attend(std::integral_constant<int, 4>{}); break;
-          }
-        }
+      if constexpr (kVector) {
+        const int64_t heads = heads_per_item * group;
+        scores.resize(heads * n);
+        acc.resize(heads * kHeadDim + heads);  // accumulators, then 1 / sum per head
+        attend_avx512<T, C, kHeadDim>(q_base + seq * q_seq_stride, q_head_stride, k_base, v_base, table, start,
+                                      context_len, block_size, block_stride, token_stride, group, kv_head,
+                                      kv_head + heads_per_item, scale, scores.data(), acc.data(),
+                                      acc.data() + heads * kHeadDim, out_base + seq * num_heads * head_dim);
         continue;
       }
 #endif

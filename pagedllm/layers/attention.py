@@ -16,6 +16,7 @@ the token at position ``p`` attends to positions ``p - W + 1 .. p`` only (HF
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -145,11 +146,37 @@ def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.unsqueeze(0)
 
 
+@functools.lru_cache(maxsize=None)
+def _native_prefill(head_dim: int) -> bool:
+    kernel = native_ops()
+    return kernel is not None and kernel.prefill_attention_supported(head_dim)
+
+
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       key_cache: torch.Tensor, value_cache: torch.Tensor,
                       seq: PrefillSequence, scale: float,
                       sliding_window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of a chunk of ``q_len`` tokens over its cached prefix and itself.
+
+    Runs the C++ kernel (``pagedllm/csrc/prefill_attention.cpp``: 16 x 16 tiles, online
+    softmax, K/V read through ``seq.block_table``) where the build has it (AVX-512, head_dim 64,
+    128 or 256) and no sliding window cuts the context; otherwise ``prefill_attention_sdpa``.
+    Arguments and result as ``prefill_attention_sdpa``.
+    """
+    head_dim = query.shape[2]
+    if (sliding_window is None or sliding_window >= seq.context_len) and _native_prefill(head_dim):
+        return native_ops().paged_prefill_attention(query, key_cache, value_cache, seq.block_table,
+                                                    seq.context_len, scale)
+    return prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale, sliding_window)
+
+
+def prefill_attention_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           seq: PrefillSequence, scale: float,
+                           sliding_window: Optional[int] = None) -> torch.Tensor:
+    """Causal attention of a chunk of ``q_len`` tokens over its cached prefix and itself, by
+    torch's SDPA (the fallback of ``prefill_attention`` and the reference its kernel is tested
+    against).
 
     All tensors given to SDPA are 4-D: torch dispatches 3-D inputs to its unfused math path,
     measured ~10x slower on this CPU than the flash kernel 4-D inputs get. A chunk with a

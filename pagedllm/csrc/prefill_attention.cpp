@@ -1,0 +1,231 @@
+// Causal attention of one prefill chunk over its sequence's paged K/V (the chunk's own K/V
+// already written to the cache): tiles of 16 queries x 16 keys with an online softmax
+// (FlashAttention, Dao et al. 2022, algorithm 1; the tiling of vLLM's CPU attention backend,
+// csrc/cpu/cpu_attn_impl.hpp, applied to fp32 AVX-512 FMAs), K and V read through the block
+// table (K transposed once per call into a [kv_head][head_dim][keys] fp32 scratch, V rows in
+// place).
+//
+//   query  [q_len, num_heads, head_dim], queries at positions context_len - q_len .. context_len - 1
+//   caches [num_blocks, block_size, num_kv_heads, head_dim] (the query's dtype, or bfloat16 under
+//          an fp32 query), block_table [>= ceil(context_len / block_size)] int64
+//   out    [q_len, num_heads, head_dim] contiguous, the query's dtype
+// Query i sees keys 0 .. context_len - q_len + i. Scores, softmax and the weighted sum are fp32.
+//
+// Why not torch's SDPA: at SmolLM2's shapes (9 heads of 64, a few hundred tokens) its flash
+// kernel reached 27-50 GFLOP/s of useful work on 2 Zen 4 cores, and it needs a gathered K/V and
+// an explicit mask for a chunk with a cached prefix (bench/README.md, "Zen 4").
+//
+// AVX-512 builds only, head_dim 64, 128 or 256 (prefill_attention_supported); elsewhere the
+// Python side keeps SDPA (pagedllm/layers/attention.py).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu_vec.h"
+#include "ops.h"
+
+namespace pagedllm {
+namespace {
+
+constexpr int64_t kTile = 16;  // queries per tile and keys per tile (one zmm of fp32 scores)
+
+#if defined(__AVX512F__)
+using pagedllm_vec::exp512;
+using pagedllm_vec::load16;
+using pagedllm_vec::store16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// Rows of the output accumulator kept in registers while a key tile is added: 16 zmm.
+template <int kHeadDim>
+constexpr int kRowGroup = 256 / kHeadDim;
+
+template <typename T, typename C, int kHeadDim>
+void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                  const int64_t* table, int64_t context_len, float scale) {
+  constexpr int kChunks = kHeadDim / 16;
+  constexpr int kRows = kRowGroup<kHeadDim>;
+  const int64_t q_len = query.size(0), num_heads = query.size(1);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * kHeadDim, block_stride = block_size * token_stride;
+  const int64_t q_token_stride = query.stride(0), q_head_stride = query.stride(1);
+  const int64_t first_pos = context_len - q_len;
+  const int64_t padded = (context_len + kTile - 1) / kTile * kTile;
+  const C* k_base = key_cache.data_ptr<C>();
+  const C* v_base = value_cache.data_ptr<C>();
+  const T* q_base = query.data_ptr<T>();
+  T* out_base = out.data_ptr<T>();
+  auto row_of = [&](const C* base, int64_t pos) {
+    return base + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+  };
+
+  // K transposed: kt[(kv_head * kHeadDim + d) * padded + pos], zero past context_len.
+  std::vector<float> kt(static_cast<size_t>(num_kv_heads * kHeadDim * padded), 0.f);
+  at::parallel_for(0, context_len, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t pos = begin; pos < end; ++pos) {
+      const C* row = row_of(k_base, pos);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for (int d = 0; d < kHeadDim; ++d) kt[(h * kHeadDim + d) * padded + pos] = to_float(row[h * kHeadDim + d]);
+      }
+    }
+  });
+
+  const int64_t tiles = (q_len + kTile - 1) / kTile;
+  at::parallel_for(0, num_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float q[kTile * kHeadDim];
+    alignas(64) float o[kTile * kHeadDim];
+    alignas(64) float p[kTile * kTile];
+    float m[kTile], l[kTile], alpha[kTile];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t head = item / tiles, tile = item % tiles;
+      const int64_t kv_head = head / group;
+      const int64_t row0 = tile * kTile, rows = std::min(kTile, q_len - row0);
+      const int64_t pos0 = first_pos + row0, last_pos = pos0 + rows - 1;
+      for (int64_t i = 0; i < kTile; ++i) {
+        for (int d = 0; d < kHeadDim; ++d) {
+          q[i * kHeadDim + d] = i < rows ? to_float(q_base[(row0 + i) * q_token_stride + head * q_head_stride + d]) * scale
+                                         : 0.f;
+        }
+        m[i] = -std::numeric_limits<float>::infinity();
+        l[i] = 0.f;
+      }
+      std::fill(o, o + kTile * kHeadDim, 0.f);
+      const float* k_head = kt.data() + kv_head * kHeadDim * padded;
+      for (int64_t key0 = 0; key0 <= last_pos; key0 += kTile) {
+        // Scores of the tile: s[i] lane j = q_i . k_(key0 + j).
+        __m512 s[kTile];
+        for (int i = 0; i < kTile; ++i) s[i] = _mm512_setzero_ps();
+        for (int d = 0; d < kHeadDim; ++d) {
+          const __m512 k = _mm512_loadu_ps(k_head + d * padded + key0);
+          for (int i = 0; i < kTile; ++i) s[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * kHeadDim + d]), k, s[i]);
+        }
+        // Online softmax per query row; key key0 + j is visible to row i when key0 + j <= pos0 + i.
+        for (int i = 0; i < kTile; ++i) {
+          const int64_t visible = std::min<int64_t>(kTile, pos0 + i - key0 + 1);
+          if (i >= rows || visible <= 0) {
+            std::fill(p + i * kTile, p + (i + 1) * kTile, 0.f);
+            alpha[i] = 1.f;
+            continue;
+          }
+          const __mmask16 mask = static_cast<__mmask16>(visible >= 16 ? 0xFFFF : (1u << visible) - 1);
+          const float tile_max = _mm512_mask_reduce_max_ps(mask, s[i]);
+          const float m_new = std::max(m[i], tile_max);
+          alpha[i] = std::exp(m[i] - m_new);  // 0 for the first visible tile (m = -inf)
+          const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(s[i], _mm512_set1_ps(m_new))));
+          l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(e);
+          m[i] = m_new;
+          _mm512_storeu_ps(p + i * kTile, e);
+        }
+        // o = alpha * o + p @ v over the tile's keys, kRows query rows at a time in registers.
+        const int64_t keys = std::min(kTile, last_pos + 1 - key0);
+        const C* v_rows[kTile];
+        for (int64_t j = 0; j < keys; ++j) v_rows[j] = row_of(v_base, key0 + j) + kv_head * kHeadDim;
+        for (int r0 = 0; r0 < kTile; r0 += kRows) {
+          __m512 acc[kRows * kChunks];
+          for (int r = 0; r < kRows; ++r) {
+            const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
+            for (int c = 0; c < kChunks; ++c) {
+              acc[r * kChunks + c] = _mm512_mul_ps(a, _mm512_load_ps(o + (r0 + r) * kHeadDim + 16 * c));
+            }
+          }
+          for (int64_t j = 0; j < keys; ++j) {
+            __m512 v[kChunks];
+            for (int c = 0; c < kChunks; ++c) v[c] = load16(v_rows[j] + 16 * c);
+            for (int r = 0; r < kRows; ++r) {
+              const __m512 w = _mm512_set1_ps(p[(r0 + r) * kTile + j]);
+              for (int c = 0; c < kChunks; ++c) acc[r * kChunks + c] = _mm512_fmadd_ps(w, v[c], acc[r * kChunks + c]);
+            }
+          }
+          for (int r = 0; r < kRows; ++r) {
+            for (int c = 0; c < kChunks; ++c) _mm512_store_ps(o + (r0 + r) * kHeadDim + 16 * c, acc[r * kChunks + c]);
+          }
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        const __m512 inv = _mm512_set1_ps(1.f / l[i]);
+        T* dst = out_base + ((row0 + i) * num_heads + head) * kHeadDim;
+        for (int c = 0; c < kChunks; ++c) store16(dst + 16 * c, _mm512_mul_ps(_mm512_load_ps(o + i * kHeadDim + 16 * c), inv));
+      }
+    }
+  });
+}
+
+template <typename T, typename C>
+void dispatch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+              const int64_t* table, int64_t context_len, float scale) {
+  switch (query.size(2)) {
+    case 64: return prefill_impl<T, C, 64>(out, query, key_cache, value_cache, table, context_len, scale);
+    case 128: return prefill_impl<T, C, 128>(out, query, key_cache, value_cache, table, context_len, scale);
+    default: return prefill_impl<T, C, 256>(out, query, key_cache, value_cache, table, context_len, scale);
+  }
+}
+#endif  // __AVX512F__
+
+}  // namespace
+
+bool prefill_attention_supported(int64_t head_dim) {
+#if defined(__AVX512F__)
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                   const at::Tensor& block_table, int64_t context_len, double scale) {
+  TORCH_CHECK_VALUE(query.dim() == 3 && query.stride(2) == 1, "query must be [q_len, heads, head_dim] with contiguous head_dim");
+  TORCH_CHECK_VALUE(prefill_attention_supported(query.size(2)),
+                    "paged_prefill_attention: head_dim ", query.size(2), " is not supported by this build");
+  TORCH_CHECK_VALUE(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 4 &&
+                        key_cache.sizes() == value_cache.sizes() && key_cache.size(3) == query.size(2),
+                    "K/V caches must be contiguous [num_blocks, block_size, kv_heads, head_dim] of one shape");
+  TORCH_CHECK_VALUE(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type() &&
+                        (key_cache.scalar_type() == query.scalar_type() || key_cache.scalar_type() == at::kBFloat16),
+                    "K/V caches must share one dtype: the query's, or bfloat16");
+  const int64_t block_size = key_cache.size(1);
+  TORCH_CHECK_VALUE(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 1,
+                    "block_table must be contiguous int64 [blocks]");
+  TORCH_CHECK_VALUE(query.size(0) >= 1 && context_len >= query.size(0) &&
+                        context_len <= block_table.size(0) * block_size,
+                    "context_len ", context_len, " must be in [q_len = ", query.size(0), ", ",
+                    block_table.size(0) * block_size, "] (block_table entries x block_size)");
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < (context_len + block_size - 1) / block_size; ++b) {
+    TORCH_CHECK_VALUE(table[b] >= 0 && table[b] < key_cache.size(0), "block_table[", b, "] = ", table[b],
+                      " is outside [0, ", key_cache.size(0), ")");
+  }
+  auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+#if defined(__AVX512F__)
+  const float s = static_cast<float>(scale);
+  if (query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat) {
+    dispatch<float, float>(out, query, key_cache, value_cache, table, context_len, s);
+  } else if (query.scalar_type() == at::kFloat) {
+    dispatch<float, c10::BFloat16>(out, query, key_cache, value_cache, table, context_len, s);
+  } else {
+    TORCH_CHECK_VALUE(query.scalar_type() == at::kBFloat16, "paged_prefill_attention supports float32 and bfloat16");
+    dispatch<c10::BFloat16, c10::BFloat16>(out, query, key_cache, value_cache, table, context_len, s);
+  }
+#endif
+  return out;
+}
+
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("prefill_attention_supported(int head_dim) -> bool", &pagedllm::prefill_attention_supported);
+  m.def("paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+        "int context_len, float scale) -> Tensor",
+        &pagedllm::paged_prefill_attention);
+}
