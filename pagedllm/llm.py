@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from typing import Any, Optional, Sequence, Union
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
@@ -77,6 +78,9 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise ValueError("prompts must be a string, a {'prompt_token_ids': [...]} dict or a list of those, "
+                             f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

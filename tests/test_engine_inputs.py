@@ -7,6 +7,7 @@ block comes back.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -87,3 +88,12 @@ def test_no_accepted_request_makes_step_raise(batch):
     assert set(finished) == accepted
     assert all(c.finish_reason in ("stop", "length", "abort") for o in finished.values() for c in o.outputs)
     assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("prompts", [None, 123, 4.5])
+def test_generate_refuses_a_prompts_argument_that_is_no_prompt_nor_list(prompts):
+    from pagedllm import LLM
+
+    llm = LLM.__new__(LLM)  # the check comes before any engine work
+    with pytest.raises(ValueError, match=f"prompts must be a string, .* got {type(prompts).__name__}"):
+        llm.generate(prompts)

@@ -25,10 +25,10 @@ import yaml
 from ray.exceptions import ActorDiedError, RayTaskError
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-from pagedllm.engine.async_engine import QueueFullError
+from pagedllm.engine.async_engine import EngineDrainingError, QueueFullError
 from pagedllm.engine.stats import ModelInfo
 from pagedllm.entrypoints.cli import build_parser
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, to_openai_error
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.serve_ray.app import app_builder
 from pagedllm.serve_ray.engine_client import RayEngineClient, RemoteRequestStream, ReplicaLostError
@@ -223,7 +223,8 @@ def test_killed_replica_ends_its_stream_with_an_error_and_is_replaced(ray_server
     assert time.monotonic() - killed < 30
     assert events[-1] == "[DONE]"
     error = events[-2]["error"]
-    assert error["code"] == 503 and "replica serving this request died" in error["message"], error
+    assert error["code"] == 503 and "replica serving this request was lost after" in error["message"], error
+    assert "pid" not in error["message"] and "Actor" not in error["message"]  # Ray internals stay in the log
     # New requests go to the healthy replica (or the replacement) and succeed.
     api = client(url)
     for i in range(4):
@@ -351,7 +352,22 @@ def test_remote_stream_retries_a_lost_replica_only_before_output():
     assert [o.outputs[0].text for o in asyncio.run(read_all(stream))] == ["a", "ab"]
     assert ended == ["end"]
     stream = remote_stream(FakeGenerator([output("a"), ActorDiedError()]))
-    with pytest.raises(ReplicaLostError, match="died after 1 generated token"):
+    with pytest.raises(ReplicaLostError, match="lost after 1 generated token") as raised:
+        asyncio.run(read_all(stream))
+    assert "Actor" not in str(raised.value) and "pid" not in str(raised.value)  # no Ray internals
+    # A non-streaming reader (final_only) showed its client nothing: retried after partial output,
+    # the final output is the new replica's alone.
+    ended = []
+    stream = remote_stream(FakeGenerator([output("x"), output("xy"), ActorDiedError()]),
+                           lambda: asyncio.sleep(0, FakeGenerator([output("a"), output("ab", True)])), ended)
+    stream.final_only = True
+    assert [o.outputs[0].text for o in asyncio.run(read_all(stream))] == ["x", "xy", "a", "ab"]
+    assert stream.last_output.outputs[0].text == "ab" and ended == ["end"]
+    # Lost again with no retries left: a clear error.
+    stream = remote_stream(FakeGenerator([output("x"), ActorDiedError()]),
+                           lambda: asyncio.sleep(0, FakeGenerator([ActorDiedError()])))
+    stream.final_only = True
+    with pytest.raises(ReplicaLostError, match="lost with no retries left"):
         asyncio.run(read_all(stream))
     # The replica's own exception, out of Ray's wrapper: the routes map it as on one server (429 here).
     wrapped = RayTaskError("generate", "traceback", QueueFullError("8 sequences are waiting")).as_instanceof_cause()
@@ -359,6 +375,31 @@ def test_remote_stream_retries_a_lost_replica_only_before_output():
     with pytest.raises(QueueFullError) as raised:
         asyncio.run(read_all(stream))
     assert type(raised.value) is QueueFullError and str(raised.value) == "8 sequences are waiting"
+
+
+def test_drain_refuses_new_requests_and_waits_for_open_ones():
+    """``pagedllm serve --replicas`` on SIGTERM: the ingress's client refuses new requests (503
+    with Retry-After, /readyz false) and waits for the open ones, up to the drain timeout."""
+    from pagedllm.sampling_params import SamplingParams
+
+    client = RayEngineClient.__new__(RayEngineClient)  # no Ray needed for the drain itself
+    client.draining, client._num_open = False, 2
+
+    async def scenario():
+        async def finish():
+            await asyncio.sleep(0.2)
+            client._num_open = 0
+        task = asyncio.ensure_future(finish())
+        assert await client.drain(5.0, poll=0.01) == 0 and client.draining
+        await task
+        with pytest.raises(EngineDrainingError, match="shutting down"):
+            await client.add_request("r", "p", SamplingParams())
+        client._num_open = 1
+        start = time.monotonic()
+        assert await client.drain(0.1, poll=0.01) == 1 and time.monotonic() - start < 1.0
+    asyncio.run(scenario())
+    error = to_openai_error(EngineDrainingError("the server is shutting down"))
+    assert error.status == 503 and error.headers["Retry-After"] == "1"
 
 
 def test_remote_stream_abort_and_close_cancel_the_replica_call():

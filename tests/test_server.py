@@ -576,6 +576,30 @@ def test_b11_echo_with_max_tokens_0_returns_prompt(client):
     assert "".join(c.choices[0].text for c in stream) == prompt
 
 
+def test_prompt_logprobs_are_returned_as_vllm_does(server):
+    """``prompt_logprobs: k`` (vLLM's extension): each choice carries ``prompt_logprobs``, None
+    for the first prompt token, then the token's own logprob (transformers' value) and up to k
+    alternatives, keyed by token id; a chat response has it at the top level."""
+    prompt = "Echo this prompt back"
+    prompt_ids = smollm2_tokenizer().encode(prompt)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = httpx.post(server.url + "/v1/completions", headers=headers,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    entries = body["choices"][0]["prompt_logprobs"]
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    expected = hf_prompt_logprobs(prompt_ids)
+    for position, (token_id, entry) in enumerate(zip(prompt_ids[1:], entries[1:])):
+        assert 1 <= len(entry) <= 3 and abs(entry[str(token_id)]["logprob"] - float(expected[position])) < 1e-4
+        assert {"logprob", "rank", "decoded_token"} <= set(entry[str(token_id)])
+    plain = httpx.post(server.url + "/v1/completions", headers=headers,
+                       json={"model": MODEL, "prompt": prompt, "max_tokens": 1}).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+    chat = httpx.post(server.url + "/v1/chat/completions", headers=headers,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                            "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+
+
 @pytest.mark.parametrize("max_tokens", [-1, 1.5, "many"])
 def test_b11_bad_max_tokens_is_400_naming_the_field(server, max_tokens):
     response = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},

@@ -92,6 +92,8 @@ class RequestStream:
     yielding it.
     """
 
+    final_only = False  # engine/protocol.py; nothing to restart in this process
+
     def __init__(self, request_id: str, engine: "AsyncLLMEngine", engine_request_id: str) -> None:
         self.request_id = request_id
         self.engine_request_id = engine_request_id  # this submission's id inside the LLMEngine

@@ -24,6 +24,10 @@ class OutputStream(Protocol):
 
     request_id: str
     last_output: Optional[RequestOutput]
+    # Set by a reader that shows its client nothing but the final output (the non-streaming
+    # routes): a remote stream may then restart a request whose replica was lost even after
+    # partial outputs, since nobody has seen them.
+    final_only: bool
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
 

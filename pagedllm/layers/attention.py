@@ -147,9 +147,10 @@ def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _native_prefill(head_dim: int) -> bool:
-    kernel = native_ops()
-    return kernel is not None and kernel.prefill_attention_supported(head_dim)
+def _prefill_kernel_supports(head_dim: int) -> bool:
+    """Whether the built C++ ops have the prefill kernel for ``head_dim`` (call only with
+    ``native_ops()`` not None; the answer is fixed for the process's build)."""
+    return bool(native_ops().prefill_attention_supported(head_dim))
 
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -163,10 +164,11 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     128 or 256) and no sliding window cuts the context; otherwise ``prefill_attention_sdpa``.
     Arguments and result as ``prefill_attention_sdpa``.
     """
-    head_dim = query.shape[2]
-    if (sliding_window is None or sliding_window >= seq.context_len) and _native_prefill(head_dim):
-        return native_ops().paged_prefill_attention(query, key_cache, value_cache, seq.block_table,
-                                                    seq.context_len, scale)
+    kernel = native_ops()
+    if (kernel is not None and (sliding_window is None or sliding_window >= seq.context_len)
+            and _prefill_kernel_supports(query.shape[2])):
+        return kernel.paged_prefill_attention(query, key_cache, value_cache, seq.block_table,
+                                              seq.context_len, scale)
     return prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale, sliding_window)
 
 

@@ -88,8 +88,9 @@ def resolve_model_path(model: Optional[str]) -> Path:
     else:
         path = Path(model).expanduser()
     if not path.exists():
-        raise ValueError(f"model path {str(path)!r} does not exist (give a .gguf file or a folder "
-                         "with config.json, *.safetensors and tokenizer files)")
+        raise ValueError(f"model path {str(path)!r} does not exist (give a named model: "
+                         f"{', '.join(sorted(NAMED_MODELS))}; a .gguf file; or a folder with config.json, "
+                         "*.safetensors and tokenizer files)")
     return path
 
 

@@ -120,10 +120,25 @@ def app_builder(args: dict[str, str]) -> Any:
     return build_application(parsed)
 
 
+def _drain(timeout: float) -> None:
+    """What one server does on SIGTERM, for the ingress: new requests get 503 (``/readyz``
+    false), open ones get ``timeout`` seconds to finish; those left are ended by the shutdown."""
+    from ray import serve
+
+    logger.warning("shutting down: draining open requests for up to %g s", timeout)
+    try:
+        left = serve.get_app_handle(APP_NAME).drain.remote(timeout).result(timeout_s=timeout + 30)
+    except Exception as exc:  # noqa: BLE001 - a broken ingress must not stop the shutdown
+        logger.warning("drain failed (%r); shutting down", exc)
+        return
+    if left:
+        logger.warning("%d request(s) still open after the %g s drain timeout are ended", left, timeout)
+
+
 def run_replicas(args: argparse.Namespace) -> int:
     """``pagedllm serve --replicas N``: start Ray (local, unless ``--ray-address``), serve the
-    application on ``--host:--port`` until SIGTERM/SIGINT, then shut Serve down (replicas get
-    ``--drain-timeout`` to finish) and return 0.
+    application on ``--host:--port`` until SIGTERM/SIGINT, then drain (new requests 503, open
+    ones get ``--drain-timeout`` seconds to finish), shut Serve down and return 0.
 
     Raises:
         ValueError: bad options, or the port is taken.
@@ -149,6 +164,7 @@ def run_replicas(args: argparse.Namespace) -> int:
         logger.info("serving %s replica(s) of %s on http://%s:%d", args.replicas,
                        args.served_model_name or args.model or "the default model", args.host, args.port)
         stop.wait()
+        _drain(args.drain_timeout)
     finally:
         serve.shutdown()
         ray.shutdown()

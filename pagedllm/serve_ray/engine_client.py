@@ -9,9 +9,11 @@ routes, checks and errors as a local ``AsyncLLMEngine``:
     close()  ─ cancels the Ray call: the replica's generator ends and aborts (blocks freed)
     abort()  ─ the same, and the reader gets the final output, finish reason "abort"
 
-Replica loss (its process killed, its node gone): a request that has delivered nothing to its
-reader yet is sent again, up to ``max_retries`` times (Serve routes it to a live replica);
-one that has streamed ends with ``ReplicaLostError`` (503, the SSE error event), never a hang.
+Replica loss (its process killed, its node gone): a request whose client has seen nothing yet
+(no output delivered to the reader, or a non-streaming reader, ``final_only``) is sent again,
+up to ``max_retries`` times (Serve routes it to a live replica); one that has streamed ends
+with ``ReplicaLostError`` (503, the SSE error event), never a hang. The error names no Ray
+internals (actor ids, pids); the log has them.
 
 What the routes read as snapshots (``stats``, ``load``, ``is_healthy``, ``/metrics``) comes from
 the replicas' reports (``EngineReplica.report``), fetched every ``report_interval`` seconds:
@@ -33,7 +35,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray.exceptions import RayActorError, RayTaskError
 
-from pagedllm.engine.async_engine import EngineDeadError
+from pagedllm.engine.async_engine import EngineDeadError, EngineDrainingError
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.stats import LoadStats, ModelInfo, SchedulerStats
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -48,7 +50,7 @@ _SERVE_NAMESPACE = "serve"
 
 
 class ReplicaLostError(EngineDeadError):
-    """The replica running the request died after the request had streamed output (503)."""
+    """The replica running the request was lost after its client had been sent output (503)."""
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -90,6 +92,7 @@ class RemoteRequestStream:
         self._done = False
         self._ended = False
         self._abort: Optional[BaseException | str] = None  # set by abort(): "abort" or the error
+        self.final_only = False  # engine/protocol.py: set by non-streaming readers
 
     def __aiter__(self) -> "RemoteRequestStream":
         return self
@@ -118,17 +121,22 @@ class RemoteRequestStream:
             except Exception as exc:  # noqa: BLE001 - each is mapped to what the routes know
                 if self._abort is not None:
                     return self._end_aborted()
-                if _replica_lost(exc) and self.last_output is None and self._retries_left > 0:
+                unseen = self.last_output is None or self.final_only
+                if _replica_lost(exc) and unseen and self._retries_left > 0:
                     self._retries_left -= 1
-                    logger.warning("request %s: its replica was lost before any output (%s); sending it again",
-                                   self.request_id, type(_cause(exc)).__name__)
+                    logger.warning("request %s: its replica was lost before its client saw output (%s); sending "
+                                   "it again", self.request_id, _cause(exc))
+                    self.last_output = None
                     self._generator = await self._resubmit()
                     continue
                 self._end()
                 if _replica_lost(exc):
+                    logger.warning("request %s: its replica was lost (%s)", self.request_id, _cause(exc))
                     sent = sum(len(c.token_ids) for c in self.last_output.outputs) if self.last_output else 0
-                    raise ReplicaLostError(f"the replica serving this request died after {sent} generated "
-                                           f"token(s) had been streamed: {_cause(exc)}; retry the request") from None
+                    what = (f"after {sent} generated token(s) had been sent" if not unseen
+                            else "with no retries left")
+                    raise ReplicaLostError(f"the engine replica serving this request was lost {what}; "
+                                           "retry the request") from None
                 raise _cause(exc) from None
             self.last_output = item
             if item.finished:
@@ -262,6 +270,20 @@ class RayEngineClient:
     def num_open_requests(self) -> int:
         return self._num_open
 
+    async def drain(self, timeout: float, poll: float = 0.05) -> int:
+        """Refuse new requests (503, ``EngineDrainingError``; ``/readyz`` false) and wait up to
+        ``timeout`` seconds for the open ones to end.
+
+        Returns:
+            How many requests were still open at the deadline (Serve's shutdown then ends them).
+        """
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._num_open and loop.time() < deadline:
+            await asyncio.sleep(poll)
+        return self._num_open
+
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           cache_salt: Optional[str] = None, priority: int = 0) -> RemoteRequestStream:
         """Tokenize ``prompt``, send it to a replica chosen by the deployment's router, and
@@ -272,6 +294,8 @@ class RayEngineClient:
                 refuses; QueueFullError, EngineDrainingError, EngineDeadError as the replica's
                 engine raises them; ReplicaLostError when no replica could take it.
         """
+        if self.draining:
+            raise EngineDrainingError("the server is shutting down and takes no new requests")
         text, token_ids = self._input_processor.tokenize(prompt)
         engine_prompt = {"prompt_token_ids": token_ids, "prompt": text}
         keys = tuple(prefix_block_hashes(token_ids, self.model_info.block_size, cache_salt))

@@ -46,6 +46,11 @@ class OpenAIIngress:
                                 api_keys=list(api_keys), max_queue_wait=max_queue_wait,
                                 model_root=model_root, enable_dashboard=False)
 
+    async def drain(self, timeout: float) -> int:
+        """``RayEngineClient.drain``: called by ``pagedllm serve --replicas`` on SIGTERM/SIGINT
+        before Serve shuts down. Returns the requests still open at the deadline."""
+        return await self.client.drain(timeout)
+
     def __serve_build_asgi_app__(self):
         return build_app(self.client, **self._app_kwargs)
 

@@ -276,7 +276,7 @@ class RateLimiter:
             if wait == math.inf:
                 self._on_event(name, "rate_limited", 1)
                 raise RateLimitError(f"the request needs {amount} tokens (prompt + n * max_tokens), more than "
-                                     f"API key {name!r}'s {limit} of {value}: lower max_tokens", None)
+                                     f"the {limit} of API key {name!r} ({value}): lower max_tokens", None)
         wait = max((w for *_, w in waits), default=0.0)
         if wait > 0:
             limit = max(waits, key=lambda w: w[3])

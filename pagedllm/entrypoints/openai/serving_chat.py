@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.engine.protocol import OutputStream
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing, SSEResponse,
-                                                        collect_final, merge_streams, now_seconds,
+                                                        collect_final, merge_streams, now_seconds, prompt_logprobs_json,
                                                         run_until_disconnect,
                                                         sampling_params_error, sse, sse_with_errors, usage)
 from pagedllm.entrypoints.openai.tool_calls import (ToolCall, check_tools, constraint_schema, held_back, parse_auto,
@@ -137,7 +137,7 @@ class OpenAIServingChat(OpenAIServing):
                             "logprobs": logprobs, "finish_reason": finish_reason,
                             "stop_reason": completion.stop_reason})
         return {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": usage([final])}
+                "choices": choices, "usage": usage([final]), "prompt_logprobs": prompt_logprobs_json(self, final)}
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
                       stream: OutputStream, mode: str = "none",

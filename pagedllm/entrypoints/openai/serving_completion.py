@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.engine.protocol import OutputStream
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing, SSEResponse,
-                                                        collect_final, merge_streams, now_seconds,
+                                                        collect_final, merge_streams, now_seconds, prompt_logprobs_json,
                                                         run_until_disconnect,
                                                         sampling_params_error, sse, sse_with_errors, usage)
 from pagedllm.outputs import Logprob, RequestOutput
@@ -78,7 +78,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                               0, include_prompt=request.echo)
                 choices.append({"index": i * request.n + completion.index, "text": prompt_text + completion.text,
                                 "logprobs": logprobs, "finish_reason": completion.finish_reason,
-                                "stop_reason": completion.stop_reason})
+                                "stop_reason": completion.stop_reason,
+                                "prompt_logprobs": prompt_logprobs_json(self, output)})
         return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": usage(finals)}
 

@@ -79,8 +79,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError:
         return OpenAIError(400, str(exc))
     if isinstance(exc, QueueFullError):
         return OpenAIError(429, str(exc), "RateLimitError", headers={"Retry-After": "1"})
-    if isinstance(exc, EngineDrainingError):
-        return OpenAIError(503, str(exc), "ServiceUnavailableError")
+    if isinstance(exc, EngineDrainingError):  # another instance behind the load balancer can take it
+        return OpenAIError(503, str(exc), "ServiceUnavailableError", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):  # a restart takes about a model load
         return OpenAIError(503, str(exc), "ServiceUnavailableError", headers={"Retry-After": "30"})
     if isinstance(exc, RequestTimeoutError):
@@ -370,6 +370,19 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id])
 
 
+def prompt_logprobs_json(engine: "OpenAIServing", output: RequestOutput) -> Optional[list]:
+    """vLLM's ``prompt_logprobs`` field (non-streaming responses): per prompt token ``None``
+    (the first) or ``{token_id: {"logprob", "rank", "decoded_token"}}``, the prompt's own
+    token first; None when they were not asked for."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                             "decoded_token": engine.decode_token(token_id, lp)}
+             for token_id, lp in entry.items()}
+            for entry in output.prompt_logprobs]
+
+
 def now_seconds() -> int:
     return int(time.time())
 
@@ -411,6 +424,8 @@ async def collect_final(streams: Sequence[OutputStream]) -> list[RequestOutput]:
         OpenAIError: the engine failed a request (timeout, drain, dead engine).
     """
     finals: list[Optional[RequestOutput]] = [None] * len(streams)
+    for stream in streams:
+        stream.final_only = True  # the client sees only the finals: a lost replica may be retried
     try:
         async for i, output in merge_streams(streams):
             finals[i] = output
