@@ -89,8 +89,9 @@ using pagedllm_vec::load16;
 //     uses both cores): an item reads its head's part of every token row, head_dim elements
 //     of a num_kv_heads * head_dim row;
 //   - one item per sequence otherwise: the item walks each block once for all KV heads, so
-//     memory is read in whole contiguous blocks (a third of every row at a time measured
-//     ~2x slower from DRAM at batch 64 with SmolLM2's 3 KV heads, bench/README.md, "Zen 4").
+//     memory is read in whole contiguous blocks (a third of every row at a time measured 1.4x
+//     slower at batch 64 with SmolLM2's 3 KV heads and blocks in allocation order; alike with
+//     randomly scattered blocks; bench/README.md, "Zen 4 profile").
 
 constexpr int kMaxGroup = 4;
 

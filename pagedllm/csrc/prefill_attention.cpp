@@ -1,9 +1,8 @@
 // Causal attention of one prefill chunk over its sequence's paged K/V (the chunk's own K/V
 // already written to the cache): tiles of 16 queries x 16 keys with an online softmax
-// (FlashAttention, Dao et al. 2022, algorithm 1; the tiling of vLLM's CPU attention backend,
-// csrc/cpu/cpu_attn_impl.hpp, applied to fp32 AVX-512 FMAs), K and V read through the block
-// table (K transposed once per call into a [kv_head][head_dim][keys] fp32 scratch, V rows in
-// place).
+// (FlashAttention, Dao et al. 2022, algorithm 1, on fp32 AVX-512 FMAs), K and V read through
+// the block table (K transposed once per call into a [kv_head][head_dim][keys] fp32 scratch,
+// V rows in place).
 //
 //   query  [q_len, num_heads, head_dim], queries at positions context_len - q_len .. context_len - 1
 //   caches [num_blocks, block_size, num_kv_heads, head_dim] (the query's dtype, or bfloat16 under
@@ -11,9 +10,10 @@
 //   out    [q_len, num_heads, head_dim] contiguous, the query's dtype
 // Query i sees keys 0 .. context_len - q_len + i. Scores, softmax and the weighted sum are fp32.
 //
-// Why not torch's SDPA: at SmolLM2's shapes (9 heads of 64, a few hundred tokens) its flash
-// kernel reached 27-50 GFLOP/s of useful work on 2 Zen 4 cores, and it needs a gathered K/V and
-// an explicit mask for a chunk with a cached prefix (bench/README.md, "Zen 4").
+// Why not torch's SDPA: at SmolLM2's shapes (9 heads of 64, 150-500 tokens) its flash kernel
+// reached 42-55 GFLOP/s of useful (causal) work on 2 Zen 4 cores, this one ~110, and SDPA
+// needs a gathered K/V and an explicit mask for a chunk with a cached prefix (bench/README.md,
+// "Zen 4 profile": 1.7-2.4x).
 //
 // AVX-512 builds only, head_dim 64, 128 or 256 (prefill_attention_supported); elsewhere the
 // Python side keeps SDPA (pagedllm/layers/attention.py).
