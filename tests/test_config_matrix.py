@@ -40,8 +40,12 @@ KV_CACHE_DTYPES = ["auto", "bfloat16"]
 # SmolLM2 <= 4.1e-4 and mean 1.8e-4). With bf16 compute or a bf16 KV cache the paths also
 # round intermediates (or K/V near a rounding boundary) differently, each rounding 2^-9
 # relative, and the tiny model's logprobs reach -23 (measured on it: largest 0.155, mean
-# <= 0.044; SmolLM2 fp32 with a bf16 cache: sampled logprobs up to 3.7e-3 apart).
-EXACT_TOL, ROUNDED_TOL = (2e-3, 5e-4), (0.25, 0.06)
+# <= 0.044; SmolLM2 fp32 with a bf16 cache: sampled logprobs up to 3.7e-3 apart). bf16 linear
+# layers differ too: the C++ op ``bf16_linear`` sums the same exact products in another order
+# than oneDNN's matmul, so a few of its bf16 outputs round to the neighbouring value (SmolLM2
+# bf16: largest 0.175, mean 0.067 over five positions) - still a fraction of the 0.25 mean the
+# bf16 model may differ from the fp32 one by (test_smollm2_every_configuration).
+EXACT_TOL, ROUNDED_TOL = (2e-3, 5e-4), (0.5, 0.15)
 # W8A8 rounds every activation to int8 per token (steps of absmax / 127, ~0.8 %): a last-bit
 # difference upstream moves a value across a rounding boundary now and then, and the tiny
 # model's logprobs reach -23 (measured on it, bf16: largest 0.27, mean <= 0.15). Native prefill

@@ -1,47 +1,116 @@
-"""``Linear``: the plain ``torch.mm`` layout and the oneDNN-packed one compute the same values."""
+"""``Linear``: the plain ``torch.mm`` layout, the oneDNN-packed one and the bf16 tiles of
+``bf16_linear`` compute the same values."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedllm.layers.linear import Linear, packing_available
+from pagedllm.huge_pages import move_weights_to_huge_pages
+from pagedllm.layers.linear import Linear, block_bf16, packing_available, unblock_bf16
+from pagedllm.layers.ops import native_ops
 from pagedllm.layers.quantization import weight_bytes
 
+needs_native = pytest.mark.skipif(native_ops() is None, reason="the C++ ops are not built here")
 
-def make_linear(dtype: torch.dtype, bias: bool, seed: int = 0) -> Linear:
+
+def make_linear(dtype: torch.dtype, bias: bool, seed: int = 0, in_features: int = 96,
+                out_features: int = 160) -> Linear:
     g = torch.Generator().manual_seed(seed)
-    linear = Linear(96, 160, bias=bias)
-    linear.set_weight(torch.randn(160, 96, generator=g), dtype)
+    linear = Linear(in_features, out_features, bias=bias)
+    linear.set_weight(torch.randn(out_features, in_features, generator=g), dtype)
     if bias:
-        linear.bias = torch.nn.Parameter(torch.randn(160, generator=g).to(dtype), requires_grad=False)
+        linear.bias = torch.nn.Parameter(torch.randn(out_features, generator=g).to(dtype), requires_grad=False)
     return linear
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def reference(x: torch.Tensor, linear: Linear) -> torch.Tensor:
+    """fp64 product of the layer's (exactly representable) weights."""
+    y = x.double() @ linear.weight.double().t()
+    return y + linear.bias.double() if linear.bias is not None else y
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_packed_linear_equals_plain_mm(dtype, bias, rows, monkeypatch):
-    """bf16: bitwise (oneDNN computes both); fp32: to summation order (MKL vs oneDNN).
-    Packing is forced on, so that fp32 is tested on Intel CPUs too."""
+def test_packed_linear_equals_plain_mm(bias, rows, monkeypatch):
+    """fp32 oneDNN-packed against MKL's plain ``torch.mm``: equal to summation order. Packing is
+    forced on, so that it is tested on Intel CPUs too."""
     monkeypatch.setenv("PAGEDLLM_PACK_WEIGHTS", "1")
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch has no oneDNN here")
-    linear = make_linear(dtype, bias)
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    linear = make_linear(torch.float32, bias)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
     expected, weight, size = linear(x), linear.weight.clone(), weight_bytes(linear)
     assert linear.pack() and linear.weight_t is None and linear.packed.is_mkldnn
     assert torch.equal(linear.weight, weight) and weight_bytes(linear) == size
-    if dtype == torch.bfloat16:
-        assert torch.equal(linear(x), expected)
-    else:
-        torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 64, 121, 300])
+@pytest.mark.parametrize("shape", [(96, 160), (1536, 64), (30, 32)])
+def test_bf16_tiles_equal_the_reference(bias, rows, shape):
+    """A bf16 layer packs into ``bf16_linear``'s tiles (weights kept exactly); its products are
+    the fp64 ones rounded to bf16, within fp32 summation error, on the AVX512_BF16 path and the
+    portable FMA one alike, at every row count of the register tiles (1-12, 13 = 12 + 1) and
+    across the 120-row blocks (121, 300)."""
+    in_features, out_features = shape
+    linear = make_linear(torch.bfloat16, bias, in_features=in_features, out_features=out_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    plain, weight, size = linear(x), linear.weight.clone(), weight_bytes(linear)
+    assert linear.pack() and linear.weight_t is None and linear.packed is None
+    assert linear.blocked.shape == (out_features // 32, in_features // 2, 32, 2)
+    assert torch.equal(linear.weight, weight) and weight_bytes(linear) == size
+    expected = reference(x, linear)
+    bound = 2.0 ** -8 * expected.abs() + 1e-5 * (x.double().abs() @ weight.double().abs().t())
+    for portable in (False, True):
+        y = native_ops().bf16_linear(x, linear.blocked, linear.bias, portable)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        assert ((y.double() - expected).abs() <= bound).all()
+    assert torch.equal(linear(x), native_ops().bf16_linear(x, linear.blocked, linear.bias))
+    torch.testing.assert_close(linear(x), plain)  # oneDNN's / MKL's bf16 product, to rounding
+
+
+def test_block_bf16_layout():
+    """``blocked[t, p, c, i] = weight[32 t + c, 2 p + i]``, and ``unblock_bf16`` inverts it."""
+    weight = torch.arange(64 * 6, dtype=torch.float32).view(64, 6).bfloat16()
+    blocked = block_bf16(weight)
+    assert blocked.shape == (2, 3, 32, 2)
+    assert blocked[1, 2, 5, 1] == weight[32 + 5, 2 * 2 + 1]
+    assert torch.equal(unblock_bf16(blocked), weight)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(96, 100), (95, 160)])
+def test_bf16_layers_the_tiles_cannot_take_stay_plain_or_onednn(shape):
+    """Odd ``in_features`` or ``out_features`` not a multiple of 32: no tiles."""
+    in_features, out_features = shape
+    linear = make_linear(torch.bfloat16, bias=False, in_features=in_features, out_features=out_features)
+    x = torch.randn(3, in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+    expected = linear(x)
+    linear.pack()
+    assert linear.blocked is None
+    torch.testing.assert_close(linear(x), expected)
+
+
+@needs_native
+def test_bf16_linear_rejects_bad_shapes():
+    blocked = block_bf16(torch.zeros(32, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"x must be bfloat16 \[rows, 8\]"):
+        native_ops().bf16_linear(torch.zeros(2, 6, dtype=torch.bfloat16), blocked, None)
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        native_ops().bf16_linear(torch.zeros(2, 8), blocked, None)
+    with pytest.raises(ValueError, match=r"bias must be bfloat16 \[32\]"):
+        native_ops().bf16_linear(torch.zeros(2, 8, dtype=torch.bfloat16), blocked, torch.zeros(31, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"\[N / 32, K / 2, 32, 2\]"):
+        native_ops().bf16_linear(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(32, 8, dtype=torch.bfloat16), None)
 
 
 def test_packing_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_PACK_WEIGHTS", "0")
     linear = make_linear(torch.bfloat16, bias=False)
-    assert not linear.pack() and linear.packed is None and linear.weight_t is not None
+    assert not linear.pack() and linear.packed is None and linear.blocked is None and linear.weight_t is not None
 
 
 @pytest.mark.parametrize("vendor,dtype,packs", [("GenuineIntel", torch.float32, False),
@@ -56,3 +125,22 @@ def test_packing_is_chosen_by_cpu_vendor_and_dtype(vendor, dtype, packs, monkeyp
     monkeypatch.setattr(linear_module, "_cpu_vendor", lambda: vendor)
     assert packing_available(dtype) is packs
     assert make_linear(dtype, bias=False).pack() is packs
+
+
+def test_weights_move_to_one_arena_unchanged():
+    """Every parameter and buffer is copied into one arena, bitwise; a storage two different
+    views share (a tied weight and its transpose) stays where it is, still shared."""
+    model = torch.nn.Module()
+    model.a, model.b = make_linear(torch.float32, bias=True), make_linear(torch.bfloat16, bias=False, seed=1)
+    model.tied = torch.nn.Parameter(model.a.weight_t.t(), requires_grad=False)  # a second view
+    model.register_buffer("steps", torch.arange(5))
+    before = {name: t.clone() for name, t in list(model.named_parameters()) + list(model.named_buffers())}
+    tied_ptr = model.a.weight_t.data_ptr()
+    moved = move_weights_to_huge_pages(model)
+    assert moved == 64 * (-(-160 * 4 // 64) + -(-96 * 160 * 2 // 64) + -(-5 * 8 // 64))
+    after = dict(list(model.named_parameters()) + list(model.named_buffers()))
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+    assert model.a.weight_t.data_ptr() == tied_ptr == model.tied.data_ptr()
+    arena = model.a.bias.untyped_storage().data_ptr()
+    assert model.b.weight_t.untyped_storage().data_ptr() == model.steps.untyped_storage().data_ptr() == arena
+    assert model.b.weight_t.data_ptr() % 64 == 0

@@ -212,9 +212,11 @@ def _w8a8_layer(in_features=40, out_features=24, bias=True, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [0, 1, 5, 17, 64, 300])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 17, 64, 300])
 @pytest.mark.parametrize("shape,bias", [((40, 24), True), ((576, 96), False)])  # 40: a 16-lane tail
 def test_w8a8_native_equals_torch_twin_bitwise(dtype, rows, shape, bias):
+    """Up to 4 rows the op's own integer dot product (VPDPBUSD, or the portable VPMADDWD one),
+    from 5 oneDNN's ``_int_mm``: both exact, so every path is bitwise the torch twin."""
     from pagedllm.layers import ops
 
     native = ops.native_ops()
@@ -226,9 +228,10 @@ def test_w8a8_native_equals_torch_twin_bitwise(dtype, rows, shape, bias):
         x[:, 3] *= 30
         x[0] = 0  # an all-zero row: scale 1, codes 0
     args = (layer.codes, layer.scales, layer.smooth_inv, layer.bias)
-    got = native.w8a8_linear(x, *args)
-    assert got.dtype == dtype and got.shape == (rows, shape[1])
-    assert torch.equal(got, w8a8_linear_torch(x, *args))
+    for portable in (False, True):
+        got = native.w8a8_linear(x, *args, portable)
+        assert got.dtype == dtype and got.shape == (rows, shape[1])
+        assert torch.equal(got, w8a8_linear_torch(x, *args))
 
 
 def test_w8a8_rows_do_not_depend_on_the_batch():

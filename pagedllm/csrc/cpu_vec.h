@@ -35,6 +35,15 @@ inline void store16(c10::BFloat16* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x));
 }
 
+// Masked forms: lanes outside `mask` are read as 0 and left unwritten.
+inline __m512 load16_masked(const c10::BFloat16* p, __mmask16 mask) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16_masked(c10::BFloat16* p, __m512 x, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(p, mask, bf16_bits(x));
+}
+
 // exp(x): Cody-Waite range reduction x = n ln2 + r with |r| <= ln2 / 2, a degree-6
 // polynomial for exp(r) (relative error ~2e-7, about one ulp), then scaling by 2^n with
 // VSCALEFPS. Inputs below -87 give exactly 0 rather than a denormal (denormal operands would

@@ -8,6 +8,7 @@
 // attributes of pagedllm/layers/linear.py and quantization.py), with an optional trailing bias:
 //   float / bfloat16: [weight_t [in, out]] (+ bias)        -> mm / addmm
 //   packed (mkldnn):  [packed [out, in]] (+ bias)          -> mkldnn::_linear_pointwise
+//   blocked bf16:     [blocked [N/32, K/2, 32, 2]] (+ bias) -> bf16_linear
 //   int8:             [codes [N, K], scales] (+ bias)       -> int8_linear
 //   int8 W8A8:        [codes [N, K], scales [N], smooth_inv [1, K]] (+ bias) -> w8a8_linear
 //                     (told apart from int8 + bias by the third tensor's two dimensions)
@@ -37,7 +38,7 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& params) {
   const bool widen = x.scalar_type() != at::kFloat;
   switch (first.scalar_type()) {
     case at::kChar: {
-      if (params.size() > 2 && params[2].dim() == 2) return w8a8_linear(x, first, params[1], params[2], bias_at(3));
+      if (params.size() > 2 && params[2].dim() == 2) return w8a8_linear(x, first, params[1], params[2], bias_at(3), false);
       const at::Tensor y = int8_linear(widen ? x.to(at::kFloat) : x.contiguous(), first, params.at(1), bias_at(2));
       return widen ? y.to(x.scalar_type()) : y;
     }
@@ -47,6 +48,7 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& params) {
       return widen ? y.to(x.scalar_type()) : y;
     }
     default:
+      if (first.dim() == 4) return bf16_linear(x, first, bias_at(1), false);  // Linear.blocked
       if (first.is_mkldnn()) {  // Linear.packed: oneDNN's blocked layout (pagedllm/layers/linear.py)
         static const auto op = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("mkldnn::_linear_pointwise", "")

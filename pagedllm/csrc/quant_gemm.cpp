@@ -21,6 +21,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -167,6 +168,140 @@ void for_each_tile(int64_t m, int64_t n, Tile&& tile) {
     default: CALL(4, C); break;                    \
   }
 #endif  // __AVX512F__
+
+// ---- bf16 weights in 32-channel tiles (layers/linear.py Linear.pack, bf16 compute) ----
+//
+// The weight [N, K] (N a multiple of 32) is stored as [N / 32, K / 2, 32, 2]: tile t holds channels 32t..32t+31,
+// and for each pair of inputs (2p, 2p+1) their 32 channels' two weights side by side, so one
+// 64-byte load gives 16 channels' pairs and a tile is one sequential 64*K-byte stream (the
+// hardware prefetcher keeps up with one stream per thread; four interleaved rows ran at half
+// the bandwidth). The row-vector product is then a broadcast of x's pair against two vectors,
+// accumulated per channel with no horizontal sums, for one row (decode) or 12 (prefill) alike:
+// the layout oneDNN's VNNI-style bf16 formats use, and vLLM's CPU bf16 GEMMs
+// (csrc/cpu/ ... brgemm). On AVX512_BF16 each pair is one VDPBF16PS; elsewhere (or `portable`)
+// both halves are widened to fp32 and multiplied by two FMAs.
+constexpr int64_t kBf16Tile = 32;    // output channels per tile: two vectors of 16
+constexpr int64_t kBf16MaxRows = 12; // rows of x per register tile: 24 accumulators
+constexpr int64_t kBf16RowBlock = 120;  // rows whose x stays in L2 while the weights stream by
+
+#if defined(__AVX512F__)
+template <int R, bool Dp>
+inline void bf16_rows(const c10::BFloat16* x, int64_t k, const c10::BFloat16* tile, c10::BFloat16* y, int64_t n,
+                      int64_t n0, const c10::BFloat16* bias) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(x);  // x[r, 2p : 2p + 2] = pairs[r * k / 2 + p]
+  const int64_t half = k / 2;
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t p = 0; p < half; ++p) {
+    const __m512i w0 = _mm512_loadu_si512(tile + p * 2 * kBf16Tile);
+    const __m512i w1 = _mm512_loadu_si512(tile + p * 2 * kBf16Tile + kBf16Tile);
+#if defined(__AVX512BF16__)
+    if constexpr (Dp) {
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        const __m512i xb = _mm512_set1_epi32(pairs[r * half + p]);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)xb, (__m512bh)w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)xb, (__m512bh)w1);
+      }
+      continue;
+    }
+#endif
+    // bf16 -> fp32: a bf16 is the high half of its fp32; even inputs shifted up, odd masked.
+    const __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+    const __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
+    const __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+    const __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512i xb = _mm512_set1_epi32(pairs[r * half + p]);
+      const __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(xb, 16));
+      const __m512 xo = _mm512_castsi512_ps(_mm512_and_si512(xb, high));
+      acc[r][0] = _mm512_fmadd_ps(xo, w0o, _mm512_fmadd_ps(xe, w0e, acc[r][0]));
+      acc[r][1] = _mm512_fmadd_ps(xo, w1o, _mm512_fmadd_ps(xe, w1e, acc[r][1]));
+    }
+  }
+  const int64_t live = std::min<int64_t>(kBf16Tile, n - n0);
+  const __mmask16 lo = static_cast<__mmask16>(live >= 16 ? 0xFFFF : (1u << live) - 1);
+  const __mmask16 hi = static_cast<__mmask16>(live >= 32 ? 0xFFFF : live <= 16 ? 0 : (1u << (live - 16)) - 1);
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    b0 = pagedllm_vec::load16_masked(bias + n0, lo);
+    b1 = pagedllm_vec::load16_masked(bias + n0 + 16, hi);
+  }
+  for (int r = 0; r < R; ++r) {
+    pagedllm_vec::store16_masked(y + r * n + n0, _mm512_add_ps(acc[r][0], b0), lo);
+    pagedllm_vec::store16_masked(y + r * n + n0 + 16, _mm512_add_ps(acc[r][1], b1), hi);
+  }
+}
+
+template <bool Dp>
+void bf16_tile_rows(const c10::BFloat16* x, int64_t rows, int64_t k, const c10::BFloat16* tile, c10::BFloat16* y,
+                    int64_t n, int64_t n0, const c10::BFloat16* bias) {
+  int64_t r = 0;
+  for (; r + kBf16MaxRows <= rows; r += kBf16MaxRows)
+    bf16_rows<kBf16MaxRows, Dp>(x + r * k, k, tile, y + r * n, n, n0, bias);
+  switch (rows - r) {
+#define CASE(R) case R: bf16_rows<R, Dp>(x + r * k, k, tile, y + r * n, n, n0, bias); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11)
+#undef CASE
+    default: break;
+  }
+}
+#endif  // __AVX512F__
+
+// y [M, N] bf16 = x [M, K] bf16 @ W.T (+ bias [N] bf16), W in the tiled layout above
+// (`weight` [N / 32, K / 2, 32, 2] bf16), accumulated in fp32 and
+// rounded to bf16 once, as oneDNN's bf16 matmul. `portable` forces the FMA path on a CPU with
+// AVX512_BF16 (tests compare the two).
+at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       bool portable) {
+  TORCH_CHECK_VALUE(weight.dim() == 4 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                        weight.size(2) == kBf16Tile && weight.size(3) == 2,
+                    "bf16_linear: weight must be a contiguous bfloat16 [N / 32, K / 2, 32, 2] tensor, got ",
+                    weight.sizes());
+  const int64_t tiles = weight.size(0), k = weight.size(1) * 2, n = tiles * kBf16Tile;
+  TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.size(1) == k,
+                    "bf16_linear: x must be bfloat16 [rows, ", k, "], got ", x_in.scalar_type(), " ", x_in.sizes());
+  TORCH_CHECK_VALUE(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
+                                          bias->numel() == n),
+                    "bf16_linear: bias must be bfloat16 [", n, "]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = weight.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  // Each thread takes a contiguous run of tiles (one stream through memory) and, for each block
+  // of rows, passes every tile of its run over them.
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row0 = 0; row0 < m; row0 += kBf16RowBlock) {
+      const int64_t rows = std::min(kBf16RowBlock, m - row0);
+      for (int64_t t = begin; t < end; ++t) {
+        const c10::BFloat16* tile = wp + t * kBf16Tile * k;
+#if defined(__AVX512F__)
+        if (portable) bf16_tile_rows<false>(xp + row0 * k, rows, k, tile, yp + row0 * n, n, t * kBf16Tile, bp);
+        else bf16_tile_rows<true>(xp + row0 * k, rows, k, tile, yp + row0 * n, n, t * kBf16Tile, bp);
+#else
+        (void)portable;
+        for (int64_t r = row0; r < row0 + rows; ++r) {
+          for (int64_t c = t * kBf16Tile; c < std::min(n, (t + 1) * kBf16Tile); ++c) {
+            float sum = 0.f;
+            for (int64_t i = 0; i < k; ++i) {
+              sum += static_cast<float>(xp[r * k + i]) *
+                     static_cast<float>(tile[(i / 2) * 2 * kBf16Tile + (c - t * kBf16Tile) * 2 + i % 2]);
+            }
+            yp[r * n + c] = c10::BFloat16(sum + (bp ? static_cast<float>(bp[c]) : 0.f));
+          }
+        }
+#endif
+      }
+    }
+  });
+  return y;
+}
 
 const float* optional_ptr(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
@@ -329,6 +464,8 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales, c
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor", &pagedllm::int8_linear);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias) -> Tensor", &pagedllm::int4_linear);
+  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias, bool portable=False) -> Tensor",
+        &pagedllm::bf16_linear);
   m.def("int8_dequantize(Tensor codes, Tensor scales) -> Tensor", &pagedllm::int8_dequantize);
   m.def("int4_dequantize(Tensor packed, Tensor scales, Tensor mins) -> Tensor", &pagedllm::int4_dequantize);
 }

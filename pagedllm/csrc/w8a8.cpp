@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "cpu_vec.h"
 #include "ops.h"
@@ -95,9 +96,90 @@ void dequantize_row(const int32_t* acc, float x_scale, const float* scales, cons
   }
 }
 
+// Few rows (decode): acc[r, n] = sum_k q[r, k] * codes[n, k] by the CPU's u8 x s8 dot product
+// (VPDPBUSD) straight from codes [N, K], one channel's row after another (a sequential stream:
+// oneDNN's _int_mm takes 3-4x the weight's read time at one row). The unsigned operand is
+// |q| and the weight's sign is flipped where q < 0 (llama.cpp's trick for its Q8_0 dot), so
+// every product is exact and the int32 sums equal _int_mm's. Without AVX512_VNNI (or with
+// `portable`) both are widened to int16 and multiplied by VPMADDWD, exact too.
+constexpr int64_t kFewRows = 4;
+
+#if defined(__AVX512BW__)
+template <int R, bool Vnni>
+void few_rows_channel(const uint8_t* absq, const __mmask64* negative, const int8_t* w, int64_t k, int32_t* acc_out) {
+  __m512i acc[kFewRows];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+  const int64_t chunks = (k + 63) / 64;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __mmask64 live = c * 64 + 64 <= k ? ~0ULL : (1ULL << (k - c * 64)) - 1;
+    const __m512i wv = _mm512_maskz_loadu_epi8(live, w + c * 64);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_loadu_si512(absq + r * chunks * 64 + c * 64);  // padded with zeros
+      const __m512i signed_w = _mm512_mask_sub_epi8(wv, negative[r * chunks + c], _mm512_setzero_si512(), wv);
+#if defined(__AVX512VNNI__)
+      if constexpr (Vnni) {
+        acc[r] = _mm512_dpbusd_epi32(acc[r], xv, signed_w);
+        continue;
+      }
+#endif
+      // |q| <= 127 and the weights in [-127, 127]: int16 pairs, then VPMADDWD's exact int32 sums.
+      const __m512i x_lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(xv));
+      const __m512i x_hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(xv, 1));
+      const __m512i w_lo = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(signed_w));
+      const __m512i w_hi = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(signed_w, 1));
+      acc[r] = _mm512_add_epi32(acc[r], _mm512_add_epi32(_mm512_madd_epi16(x_lo, w_lo), _mm512_madd_epi16(x_hi, w_hi)));
+    }
+  }
+  for (int r = 0; r < R; ++r) acc_out[r] = _mm512_reduce_add_epi32(acc[r]);
+}
+#endif
+
+// acc [m, n] int32 = q [m, k] @ codes.T for m <= kFewRows.
+void few_rows_int_mm(const int8_t* q, int64_t m, const int8_t* codes, int64_t n, int64_t k, int32_t* acc, bool portable) {
+#if defined(__AVX512BW__)
+  const int64_t chunks = (k + 63) / 64;
+  std::vector<uint8_t> absq(m * chunks * 64, 0);
+  std::vector<__mmask64> negative(m * chunks, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t i = 0; i < k; ++i) {
+      const int8_t v = q[r * k + i];
+      absq[r * chunks * 64 + i] = static_cast<uint8_t>(v < 0 ? -v : v);
+      if (v < 0) negative[r * chunks + i / 64] |= 1ULL << (i % 64);
+    }
+  }
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    int32_t sums[kFewRows];
+    for (int64_t c = begin; c < end; ++c) {
+      switch (m) {
+#define CASE(R)                                                                                               \
+  case R:                                                                                                     \
+    if (portable) few_rows_channel<R, false>(absq.data(), negative.data(), codes + c * k, k, sums);           \
+    else few_rows_channel<R, true>(absq.data(), negative.data(), codes + c * k, k, sums);                     \
+    break;
+        CASE(1) CASE(2) CASE(3) CASE(4)
+#undef CASE
+        default: break;
+      }
+      for (int64_t r = 0; r < m; ++r) acc[r * n + c] = sums[r];
+    }
+  });
+#else
+  (void)portable;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = begin; c < end; ++c) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < k; ++i) sum += static_cast<int32_t>(q[r * k + i]) * codes[c * k + i];
+        acc[r * n + c] = sum;
+      }
+  });
+#endif
+}
+
 template <typename T>
 at::Tensor w8a8_linear_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                            const at::Tensor& smooth_inv, const std::optional<at::Tensor>& bias) {
+                            const at::Tensor& smooth_inv, const std::optional<at::Tensor>& bias, bool portable) {
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
   at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
   at::Tensor x_scales = at::empty({m}, x.options().dtype(at::kFloat));
@@ -109,7 +191,13 @@ at::Tensor w8a8_linear_impl(const at::Tensor& x, const at::Tensor& codes, const 
   at::parallel_for(0, m, std::max<int64_t>(1, kParallelElements / k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) xsp[r] = quantize_row(xp + r * k, sp, qp + r * k, k);
   });
-  const at::Tensor acc = at::_int_mm(q, codes.t());
+  at::Tensor acc;
+  if (m <= kFewRows) {
+    acc = at::empty({m, n}, x.options().dtype(at::kInt));
+    few_rows_int_mm(qp, m, codes.data_ptr<int8_t>(), n, k, acc.data_ptr<int32_t>(), portable);
+  } else {
+    acc = at::_int_mm(q, codes.t());
+  }
   at::Tensor y = at::empty({m, n}, x.options());
   const int32_t* ap = acc.data_ptr<int32_t>();
   const float* wsp = scales.data_ptr<float>();
@@ -124,7 +212,7 @@ at::Tensor w8a8_linear_impl(const at::Tensor& x, const at::Tensor& codes, const 
 }  // namespace
 
 at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                       const at::Tensor& smooth_inv, const std::optional<at::Tensor>& bias) {
+                       const at::Tensor& smooth_inv, const std::optional<at::Tensor>& bias, bool portable) {
   TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
                     "w8a8_linear: codes must be a contiguous int8 [N, K] tensor");
   const int64_t n = codes.size(0), k = codes.size(1);
@@ -143,8 +231,8 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
                     "w8a8_linear: bias must be float32 [", n, "]");
   const at::Tensor x = x_in.contiguous();
   if (x.size(0) == 0) return at::empty({0, n}, x.options());
-  return x.scalar_type() == at::kFloat ? w8a8_linear_impl<float>(x, codes, scales, smooth_inv, bias)
-                                       : w8a8_linear_impl<c10::BFloat16>(x, codes, scales, smooth_inv, bias);
+  return x.scalar_type() == at::kFloat ? w8a8_linear_impl<float>(x, codes, scales, smooth_inv, bias, portable)
+                                       : w8a8_linear_impl<c10::BFloat16>(x, codes, scales, smooth_inv, bias, portable);
 }
 
 }  // namespace pagedllm
@@ -152,6 +240,6 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at
 #pragma GCC pop_options
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("w8a8_linear(Tensor x, Tensor codes, Tensor scales, Tensor smooth_inv, Tensor? bias) -> Tensor",
+  m.def("w8a8_linear(Tensor x, Tensor codes, Tensor scales, Tensor smooth_inv, Tensor? bias, bool portable=False) -> Tensor",
         &pagedllm::w8a8_linear);
 }

@@ -17,7 +17,7 @@ from torch import nn
 from pagedllm.layers.attention import AttentionMetadata, paged_attention
 from pagedllm.layers.fused_decode import FusedDecode
 from pagedllm.layers.linear import Linear, packing_available
-from pagedllm.layers.ops import add_rms_norm_, rms_norm, rotary_embedding_, silu_and_mul
+from pagedllm.layers.ops import add_rms_norm_, native_ops, rms_norm, rotary_embedding_, silu_and_mul
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pagedllm.models.sharding import TensorParallelShard
 
@@ -216,8 +216,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden, residual)
 
     def pack_linear_weights(self) -> int:
-        """Pre-pack every unquantized ``Linear`` for oneDNN (``Linear.pack``), the LM head
-        included. Returns how many layers were packed.
+        """Pre-pack every unquantized ``Linear`` (``Linear.pack``: bf16 into ``bf16_linear``'s
+        tiles, else for oneDNN), the LM head included. Returns how many layers were packed.
 
         A head tied to the embedding is untied first: the embedding keeps a plain copy of the
         table to look rows up in (SmolLM2: 28M more parameters, 57 MiB in bf16), because an
@@ -225,11 +225,11 @@ class LlamaForCausalLM(nn.Module):
         decode step (1 thread, AMD EPYC family 26, bf16, 1 row: 8.3 ms vs 1.5 ms packed;
         ``bench/linear_layout.py``).
         """
-        if not packing_available(self.dtype):
+        if not packing_available(self.dtype) and not (self.dtype == torch.bfloat16 and native_ops() is not None):
             return 0
         head = self.lm_head
         linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
-        if isinstance(head, Linear) and head.packed is None:
+        if isinstance(head, Linear) and head.packed is None and head.blocked is None:
             if self.embed_tokens.weight.untyped_storage().data_ptr() == head.weight_t.untyped_storage().data_ptr():
                 self.embed_tokens.weight = nn.Parameter(head.weight_t.t().contiguous(), requires_grad=False)
             linears.append(head)

@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pagedllm.huge_pages import move_weights_to_huge_pages
 from pagedllm.layers.quantization import (CHECKPOINT_QUANTIZATION_METHODS, Int4Weight, Int8Weight, int4_from_q4_1,
                                           int4_from_q4_k, quantize_model)
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
@@ -281,6 +282,9 @@ def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype:
     if model.quantization is not None:
         quantize_model(model, tp.shard_state_dict(prequantized or {}, config), calibration_token_ids)
     model.pack_linear_weights()
+    move_weights_to_huge_pages(model)
+    if model.fused_decode is not None:
+        model.fused_decode.invalidate()
     return model.eval()
 
 

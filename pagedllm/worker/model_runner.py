@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import mmap
 import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -16,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from pagedllm.core.request import Request
+from pagedllm.huge_pages import huge_page_zeros
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
 from pagedllm.layers.ops import native_ops
 from pagedllm.models.llama import LlamaForCausalLM
@@ -249,13 +249,7 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            memory.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without transparent huge pages: 4 KiB pages, same contents
-            pass
-    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
+    return huge_page_zeros(nbytes).view(dtype).view(shape)
 
 
 ONEDNN_CACHE_CAPACITY = 128
