@@ -140,8 +140,19 @@ void int4_tile(const float* x, const uint8_t* q, const float* scales, const floa
 }
 
 // Runs tile(R, C, row0, n0) over every (row tile, channel tile), channels split across threads.
+// With `one_channel_rows`, up to 4 rows take one channel per tile, so that each thread reads the
+// weight rows in one sequential stream: for int8 on Zen 4 (SmolLM2's 120 layer matmuls, 106 MB
+// of codes) 5.3-6.0 ms at one row against 7.6-7.8 for four interleaved channel rows, and 1.2 vs
+// 1.5 ms for the grouped LM head; int4's rows (288 bytes) ran faster four at a time (4.7 vs
+// 5.5-6.3 ms), so it keeps them.
 template <typename Tile>
-void for_each_tile(int64_t m, int64_t n, Tile&& tile) {
+void for_each_tile(int64_t m, int64_t n, bool one_channel_rows, Tile&& tile) {
+  if (one_channel_rows && m <= kRowTile) {
+    at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) tile(std::integral_constant<int, 1>{}, m, 0, c);
+    });
+    return;
+  }
   const int64_t channel_tiles = (n + kChannelTile - 1) / kChannelTile;
   at::parallel_for(0, channel_tiles, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -327,7 +338,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const float* bp = optional_ptr(bias);
   float* yp = y.data_ptr<float>();
 #if defined(__AVX512F__)
-  for_each_tile(m, n, [&](auto channels, int64_t rows, int64_t row0, int64_t n0) {
+  for_each_tile(m, n, true, [&](auto channels, int64_t rows, int64_t row0, int64_t n0) {
     constexpr int C = decltype(channels)::value;
 #define CALL(R, C)                                                                    \
   if (grouped) int8_tile<R, C, true>(xp + row0 * k, qp, sp, bp, yp + row0 * n, k, n, n0); \
@@ -372,7 +383,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const float* bp = optional_ptr(bias);
   float* yp = y.data_ptr<float>();
 #if defined(__AVX512F__)
-  for_each_tile(m, n, [&](auto channels, int64_t rows, int64_t row0, int64_t n0) {
+  for_each_tile(m, n, false, [&](auto channels, int64_t rows, int64_t row0, int64_t n0) {
     constexpr int C = decltype(channels)::value;
 #define CALL(R, C) int4_tile<R, C>(xp + row0 * k, qp, sp, mp, bp, yp + row0 * n, k, n, n0)
     PAGEDLLM_ROWS_DISPATCH(rows, C, CALL)
