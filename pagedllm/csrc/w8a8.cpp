@@ -103,6 +103,8 @@ void dequantize_row(const int32_t* acc, float x_scale, const float* scales, cons
 // every product is exact and the int32 sums equal _int_mm's. Without AVX512_VNNI (or with
 // `portable`) both are widened to int16 and multiplied by VPMADDWD, exact too.
 constexpr int64_t kFewRows = 4;
+// Software prefetch of the channel this many rows ahead (prefetches never fault past the end).
+constexpr int64_t kPrefetchRows = 4;
 
 #if defined(__AVX512BW__)
 template <int R, bool Vnni>
@@ -112,6 +114,7 @@ void few_rows_channel(const uint8_t* absq, const __mmask64* negative, const int8
   const int64_t chunks = (k + 63) / 64;
   for (int64_t c = 0; c < chunks; ++c) {
     const __mmask64 live = c * 64 + 64 <= k ? ~0ULL : (1ULL << (k - c * 64)) - 1;
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * k + c * 64), _MM_HINT_T0);
     const __m512i wv = _mm512_maskz_loadu_epi8(live, w + c * 64);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
