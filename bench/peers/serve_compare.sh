@@ -1,14 +1,19 @@
 #!/bin/bash
 # Serving side by side: `vllm bench serve` (vLLM's own client) against `pagedllm serve` and then
-# `vllm serve`, never both at once, same random workload (256 prompt / 128 output tokens, 64
-# prompts, seed 0), each server started fresh and killed after its run. Benchmarks only.
+# `vllm serve` (and llama.cpp's `llama-server` if SYSTEMS names it), one at a time, same random
+# workload (256 prompt / 128 output tokens, 64 prompts, seed 0), each server started fresh and
+# killed after its run; a table of every system that ran at the end. Benchmarks only.
 #
 #   bash bench/peers/serve_compare.sh [DTYPE] [vllm bench serve options...]
 #   bash bench/peers/serve_compare.sh bfloat16 --request-rate 2
 #   bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
 #   PAGEDLLM_ARGS="--quantization w8a8" bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
+#   SYSTEMS="pagedllm vllm llama-server" bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
 #
 # Needs setup_vllm.sh's venv and exported model (VLLM_VENV, MODEL_DIR below). Loopback only.
+# llama-server (setup_llama_server.sh) serves LLAMA_GGUF (setup_llama_cpp.sh's q8_0 conversion of
+# MODEL_DIR; DTYPE does not apply) with 16 slots of 2048 tokens; the client still tokenizes with
+# MODEL_DIR.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -18,17 +23,23 @@ MODEL_DIR=${MODEL_DIR:-/tmp/peers/smollm2-hf}
 PORT=${PORT:-8311}
 PAGEDLLM=${PAGEDLLM:-$ROOT/.venv/bin/pagedllm}
 LOGS=${LOGS:-/tmp/peers/serve-logs}
+SYSTEMS=${SYSTEMS:-pagedllm vllm}
+LLAMA_SERVER=${LLAMA_SERVER:-/tmp/peers/llama-server}
+LLAMA_GGUF=${LLAMA_GGUF:-/tmp/peers/smollm2-q8_0.gguf}
 mkdir -p "$LOGS"
 export HF_HUB_OFFLINE=1
 
 grep -m1 "model name" /proc/cpuinfo
 echo "flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx512_bf16|avx512_vnni|avx_vnni|amx_bf16|amx_int8)$' | tr '\n' ' ')"
-echo "dtype $DTYPE; client options: $*; pagedllm options: ${PAGEDLLM_ARGS:-none}"
+echo "systems: $SYSTEMS; dtype $DTYPE; client options: $*; pagedllm options: ${PAGEDLLM_ARGS:-none}"
 
 start_server() {  # $1: system
   if [ "$1" = pagedllm ]; then
     "$PAGEDLLM" serve --port "$PORT" --dtype "$DTYPE" --kv-cache-memory-bytes 4294967296 \
       --served-model-name bench ${PAGEDLLM_ARGS:-} > "$LOGS/pagedllm.log" 2>&1 &
+  elif [ "$1" = llama-server ]; then
+    "$LLAMA_SERVER" -m "$LLAMA_GGUF" --host 127.0.0.1 --port "$PORT" -np 16 -c $((16 * 2048)) \
+      -t "$(nproc)" -cb --alias bench > "$LOGS/llama-server.log" 2>&1 &
   else
     env VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND="0-$(($(nproc) - 1))" \
       LD_PRELOAD="$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null):$VLLM_VENV/lib/libiomp5.so" \
@@ -44,12 +55,15 @@ start_server() {  # $1: system
   return 1
 }
 
-for system in pagedllm vllm; do
+RAN=()
+for system in $SYSTEMS; do
   echo "== $system (load average $(cut -d' ' -f1 /proc/loadavg))"
   if start_server "$system"; then
     "$VLLM_VENV/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$PORT" --model bench \
       --tokenizer "$MODEL_DIR" --dataset-name random --random-input-len 256 --random-output-len 128 \
-      --num-prompts 64 --seed 0 "$@" 2>&1 | grep -E "Successful|duration|throughput|TTFT|TPOT"
+      --num-prompts 64 --seed 0 "$@" 2>&1 | grep -E "Successful|duration|throughput|TTFT|TPOT" \
+      | tee "$LOGS/$system.result"
+    [ -s "$LOGS/$system.result" ] && RAN+=("$system")
   else
     echo "$system did not start; see $LOGS/$system.log"
   fi
@@ -58,3 +72,11 @@ for system in pagedllm vllm; do
   kill -KILL "$SERVER" 2>/dev/null; pkill -KILL -f -- "--port $PORT" 2>/dev/null
   sleep 2
 done
+
+[ ${#RAN[@]} -gt 0 ] || exit 1
+echo "== side by side"
+(cd "$LOGS" && awk -F: 'FNR == 1 { n++; name[n] = FILENAME; sub(/\.result$/, "", name[n]) }
+  { gsub(/^ +| +$/, "", $2); if (!($1 in seen)) { seen[$1] = 1; keys[++k] = $1 } v[$1, n] = $2 }
+  END { printf "%-40s", ""; for (i = 1; i <= n; i++) printf " %14s", name[i]; print ""
+        for (j = 1; j <= k; j++) { printf "%-40s", keys[j]; for (i = 1; i <= n; i++) printf " %14s", v[keys[j], i]; print "" } }' \
+  "${RAN[@]/%/.result}")
