@@ -5,7 +5,7 @@ step streams through once per token. On 4 KiB pages a matmul's read of its weigh
 page every 4 KiB; the hardware prefetchers stop at page boundaries and every new page is a TLB
 miss. Measured on an AMD EPYC (Zen 4), 2 threads, the 120 matmuls of a SmolLM2-135M decode
 step at one row (``bf16_linear``, 212 MB of bf16 weights): 9.4 ms on 4 KiB pages, 6.6 ms on
-2 MiB pages (bench/README.md, "Zen 4 profile").
+2 MiB pages (bench/README.md, "Zen 4 profile, small batches").
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def move_weights_to_huge_pages(module: nn.Module) -> int:
     (the order a forward pass reads them), and point the tensors at their copies. Values are
     unchanged, bitwise. Skipped: oneDNN-packed tensors (no storage), tensors on the meta device,
     and any storage that more than one distinct view shares (moving those would untie them).
-    Returns the bytes moved. Callers holding references to the old tensors must drop them
-    (``FusedDecode.invalidate``).
+    Returns the bytes moved. While it runs the weights are in memory twice (each old tensor is
+    freed once its copy replaces it, unless something else holds it). Callers holding
+    references to the old tensors must drop them (``FusedDecode.invalidate``).
     """
     tensors: list[torch.Tensor] = []
     views: dict[int, set] = {}

@@ -38,7 +38,9 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& params) {
   const bool widen = x.scalar_type() != at::kFloat;
   switch (first.scalar_type()) {
     case at::kChar: {
-      if (params.size() > 2 && params[2].dim() == 2) return w8a8_linear(x, first, params[1], params[2], bias_at(3), false);
+      if (params.size() > 2 && params[2].dim() == 2) {
+        return w8a8_linear(x, first, params[1], params[2], bias_at(3), /*portable=*/false);
+      }
       const at::Tensor y = int8_linear(widen ? x.to(at::kFloat) : x.contiguous(), first, params.at(1), bias_at(2));
       return widen ? y.to(x.scalar_type()) : y;
     }
@@ -48,7 +50,7 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& params) {
       return widen ? y.to(x.scalar_type()) : y;
     }
     default:
-      if (first.dim() == 4) return bf16_linear(x, first, bias_at(1), false);  // Linear.blocked
+      if (first.dim() == 4) return bf16_linear(x, first, bias_at(1), /*portable=*/false);  // Linear.blocked
       if (first.is_mkldnn()) {  // Linear.packed: oneDNN's blocked layout (pagedllm/layers/linear.py)
         static const auto op = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("mkldnn::_linear_pointwise", "")

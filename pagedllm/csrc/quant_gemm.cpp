@@ -1,3 +1,5 @@
+// Matmuls that stream their weight (decode), and bf16 weights in tiles (bf16_linear, below).
+//
 // Weight-only quantized matmul for few rows (decode): y = x @ W.T with fp32 activations and
 // int8 or 4-bit weights converted to fp32 in registers, so the weight bytes are read once at
 // their stored size. At decode batch sizes a linear layer is bound by reading its weight
@@ -182,15 +184,15 @@ void for_each_tile(int64_t m, int64_t n, bool one_channel_rows, Tile&& tile) {
 
 // ---- bf16 weights in 32-channel tiles (layers/linear.py Linear.pack, bf16 compute) ----
 //
-// The weight [N, K] (N a multiple of 32) is stored as [N / 32, K / 2, 32, 2]: tile t holds channels 32t..32t+31,
-// and for each pair of inputs (2p, 2p+1) their 32 channels' two weights side by side, so one
-// 64-byte load gives 16 channels' pairs and a tile is one sequential 64*K-byte stream (the
-// hardware prefetcher keeps up with one stream per thread; four interleaved rows ran at half
-// the bandwidth). The row-vector product is then a broadcast of x's pair against two vectors,
-// accumulated per channel with no horizontal sums, for one row (decode) or 12 (prefill) alike:
-// the layout oneDNN's VNNI-style bf16 formats use, and vLLM's CPU bf16 GEMMs
-// (csrc/cpu/ ... brgemm). On AVX512_BF16 each pair is one VDPBF16PS; elsewhere (or `portable`)
-// both halves are widened to fp32 and multiplied by two FMAs.
+// The weight [N, K] (N a multiple of 32) is stored as [N / 32, K / 2, 32, 2]: tile t holds
+// channels 32t..32t+31 and, for each pair of inputs (2p, 2p+1), their 32 channels' two weights
+// side by side. One 64-byte load gives 16 channels' pairs, and a tile is one sequential
+// 64*K-byte stream (the prefetchers keep up with one stream per thread; four interleaved
+// channel rows ran at about half the bandwidth, bench/README.md). The product is then a
+// broadcast of x's pair against two vectors, accumulated per channel with no horizontal sums,
+// for one row (decode) or 12 (prefill) alike: the pair-interleaved ("VNNI") layout that bf16
+// dot-product instructions want. On AVX512_BF16 each pair is one VDPBF16PS; elsewhere (or with
+// `portable`) both halves are widened to fp32 and multiplied by two FMAs.
 constexpr int64_t kBf16Tile = 32;    // output channels per tile: two vectors of 16
 constexpr int64_t kBf16MaxRows = 12; // rows of x per register tile: 24 accumulators
 constexpr int64_t kBf16RowBlock = 120;  // rows whose x stays in L2 while the weights stream by

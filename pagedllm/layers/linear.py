@@ -17,11 +17,10 @@ bf16 weights, where the C++ ops are built, take a third form instead: ``blocked`
 output channels with each pair of inputs side by side (``block_bf16``), multiplied by the op
 ``bf16_linear`` (``csrc/quant_gemm.cpp``: AVX512_BF16 ``VDPBF16PS`` where the CPU has it). One
 tile is one sequential stream through memory, which oneDNN's packed bf16 matmul does not
-reach at decode batch sizes. Measured on an AMD EPYC (Zen 4, AVX512_BF16), 2 threads, all
-120 SmolLM2-135M layer matmuls (212 MB of weights, the tiles in 2 MiB pages), in one process,
-best of two: 7.3 vs 14.7 ms (oneDNN packed) at 1 row, 12.6 vs 17.7 at 16, 43.7 vs 52.0 at 64,
-76 vs 85 at 128; 305 vs 283 at 512 and 1157 vs 1095 at 2048 (prefill: 5-7 % slower, one copy
-of the weights instead of two).
+reach at decode batch sizes. On an AMD EPYC (Zen 4, AVX512_BF16), 2 threads, SmolLM2-135M's
+120 layer matmuls (212 MB of weights, in 2 MiB pages) against oneDNN packed: 2.0-2.2x faster
+at 1-4 rows, 1.0-1.2x at 16-64, 0.92-0.96x at 512-2048 (prefill), with one copy of the weights
+(``bench/decode_matmuls.py``; bench/README.md, "Zen 4 profile, small batches").
 """
 
 from __future__ import annotations
@@ -87,8 +86,8 @@ class Linear(nn.Module):
         weight_t: ``[in_features, out_features]`` contiguous, the compute dtype; None once packed.
         packed: the weight in oneDNN's blocked layout (an opaque ``[out, in]`` mkldnn tensor,
             not a parameter: it has no storage), or None.
-        blocked: a bf16 weight as ``block_bf16`` lays it out (``[ceil(out / 32), in / 2, 32,
-            2]``), or None.
+        blocked: a bf16 weight as ``block_bf16`` lays it out (``[out / 32, in / 2, 32, 2]``),
+            or None.
         bias: ``[out_features]`` or None.
     """
 
@@ -109,8 +108,9 @@ class Linear(nn.Module):
         return self.packed.to_dense() if self.packed is not None else self.weight_t.t()
 
     def pack(self) -> bool:
-        """Reorder the weight into ``bf16_linear``'s layout (bf16, the C++ ops built,
-        ``out_features`` a multiple of 32, ``in_features`` even) or else oneDNN's, and drop the plain copy. Returns whether it did (False
+        """Reorder the weight into ``bf16_linear``'s tiles (bf16, the C++ ops built,
+        ``out_features`` a multiple of 32, ``in_features`` even) or else oneDNN's layout, and
+        drop the plain copy. Returns whether it did (False with ``PAGEDLLM_PACK_WEIGHTS=0``, or
         where ``packing_available`` says no for its dtype)."""
         if self.packed is not None or self.blocked is not None:
             return True
