@@ -8,6 +8,9 @@ step, every weight streams from memory), two ways each, alternated in one proces
   now where the C++ ops are built).
 - w8a8: ``torch._int_mm`` on the int8 rows alone against the whole ``w8a8_linear`` op (quantize,
   integer product, dequantize), which takes its own dot product up to 4 rows.
+- 4-bit: ``int4_linear`` (fp32 activations, codes widened to fp32 in registers; up to 64 rows,
+  the engine dequantizes beyond) against ``w4a8_linear`` (int8 activations, integer dot
+  products, every row count).
 
 Prints ms per step (all 120 matmuls; best of two alternated runs, each the median of
 ``--repeats``) and the ratio. Needs the C++ ops. Results go into bench/README.md by hand.
@@ -24,6 +27,7 @@ import torch
 from pagedllm.huge_pages import move_weights_to_huge_pages
 from pagedllm.layers.linear import block_bf16
 from pagedllm.layers.ops import native_ops
+from pagedllm.layers.quantization import Int4Linear, W4A8Linear, quantize_int4
 from pagedllm.worker.model_runner import _keep_freed_memory_mapped
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
@@ -64,13 +68,18 @@ def main() -> None:
     arena.codes = torch.nn.ParameterList([torch.nn.Parameter(torch.randint(-127, 128, shape, generator=g,
                                                                            dtype=torch.int8), requires_grad=False)
                                           for shape in shapes])
+    int4 = [quantize_int4(w.float(), half_scales=True) for w in weights]
+    arena.int4 = torch.nn.ModuleList([Int4Linear(w, None) for w in int4])
+    arena.w4a8 = torch.nn.ModuleList([W4A8Linear(w, None) for w in int4])
     move_weights_to_huge_pages(arena)
     scales = [torch.rand(n, generator=g) for n, _ in shapes]
     smooth_inv = {k: torch.ones(1, k) for _, k in LAYER_SHAPES}
     print(f"{torch.get_num_threads()} threads; ms per step of {len(shapes)} matmuls (best of 2 alternated)")
-    print(f"{'rows':>5} | {'bf16 packed':>11} | {'bf16 tiles':>10} | ratio | {'_int_mm':>8} | {'w8a8 op':>8} | ratio")
+    print(f"{'rows':>5} | {'bf16 packed':>11} | {'bf16 tiles':>10} | ratio | {'_int_mm':>8} | {'w8a8 op':>8} | ratio | "
+          f"{'int4':>8} | {'w4a8':>8} | ratio")
     for rows in args.rows:
         x = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in LAYER_SHAPES}
+        x32 = {k: v.float() for k, v in x.items()}
         q = {k: torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8) for _, k in LAYER_SHAPES}
         ways = {
             "packed": [lambda w=w, k=s[1]: torch.ops.mkldnn._linear_pointwise(x[k], w, None, "none", [], "")
@@ -81,14 +90,20 @@ def main() -> None:
                                                          c.t()) for c, s in zip(arena.codes, shapes)],
             "w8a8": [lambda c=c, sc=sc, k=s[1]: ops.w8a8_linear(x[k], c, sc, smooth_inv[k], None)
                      for c, sc, s in zip(arena.codes, scales, shapes)],
+            "int4": [lambda m=m, k=s[1]: ops.int4_linear(x32[k], m.packed, m.scales, m.mins, None)
+                     for m, s in zip(arena.int4, shapes)] if rows <= 64 else None,
+            "w4a8": [lambda m=m, k=s[1]: ops.w4a8_linear(x[k], m.blocked, None) for m, s in zip(arena.w4a8, shapes)],
         }
+        ways = {name: matmuls for name, matmuls in ways.items() if matmuls is not None}
         repeats = args.repeats if rows <= 128 else max(3, args.repeats // 3)
         best = {name: float("inf") for name in ways}
         for _ in range(2):  # alternated: each way, then each way again
             for name, matmuls in ways.items():
                 best[name] = min(best[name], step_ms(matmuls, repeats))
+        best.setdefault("int4", float("nan"))
         print(f"{rows:5d} | {best['packed']:11.2f} | {best['tiles']:10.2f} | {best['packed'] / best['tiles']:4.2f}x | "
-              f"{best['int_mm']:8.2f} | {best['w8a8']:8.2f} | {best['int_mm'] / best['w8a8']:4.2f}x")
+              f"{best['int_mm']:8.2f} | {best['w8a8']:8.2f} | {best['int_mm'] / best['w8a8']:4.2f}x | "
+              f"{best['int4']:8.2f} | {best['w4a8']:8.2f} | {best['int4'] / best['w4a8']:4.2f}x")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ _DTYPES = {
 _KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 # quantization values besides None (weights in the compute dtype).
-_QUANTIZATIONS = ("int8", "int4", "w8a8", "awq", "gptq", "compressed-tensors")
+_QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8", "awq", "gptq", "compressed-tensors")
 
 # vLLM options that pagedllm accepts because they change nothing here.
 _NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "tokenizer_mode"}
@@ -92,7 +92,9 @@ class EngineArgs:
         None, "weight-only quantization of the linear layers: int8 (per channel) or int4 (groups of "
               "32, asymmetric; GGUF Q4_1/Q4_K tensors are used as they are); w8a8: int8 weights "
               "and int8 activations quantized per token (SmoothQuant, calibrated at load on the "
-              "shipped text; the integer dot-product units: VNNI, AMX), see "
+              "shipped text; the integer dot-product units: VNNI, AMX); w4a8: int4 weights as "
+              "int4 (fp16 scales) and int8 activations per token and group of 32, multiplied "
+              "in integers (llama.cpp's Q4_1 x Q8_1 dot), see "
               "pagedllm/layers/quantization.py. awq, gptq, compressed-tensors: a Hugging Face "
               "folder quantized by AutoAWQ / GPTQModel / llm-compressor, loaded as it is "
               "(detected from its config.json without the option; the option must match). "

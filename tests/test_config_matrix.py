@@ -33,7 +33,7 @@ from pagedllm.sampling_params import SamplingParams
 from tests.conftest import run_to_completion, tiny_config, tiny_state_dict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-QUANTIZATIONS = [None, "int8", "int4", "w8a8"]
+QUANTIZATIONS = [None, "int8", "int4", "w8a8", "w4a8"]
 KV_CACHE_DTYPES = ["auto", "bfloat16"]
 # |logprob difference| allowed between the C++ and the torch path: (largest, mean over the
 # prompt). fp32 with an fp32 KV cache: summation order only (measured: tiny model <= 2e-5,
@@ -51,14 +51,15 @@ EXACT_TOL, ROUNDED_TOL = (2e-3, 5e-4), (0.5, 0.15)
 # model's logprobs reach -23 (measured on it, bf16: largest 0.27, mean <= 0.15). Native prefill
 # attention (fp32 tiles, online softmax) and the torch path's bf16 SDPA differ in the last bits
 # of every bf16 attention output: SmolLM2 bf16 w8a8, largest 0.67 at one of five positions,
-# mean 0.19.
+# mean 0.19. W4A8 rounds activations per 32-input group, the same way.
 W8A8_TOL = (1.0, 0.25)
+ACTIVATION_QUANTIZATIONS = ("w8a8", "w4a8")
 
 
 def tolerance(dtype: torch.dtype, kv_cache_dtype: str, quantization: str | None = None) -> tuple[float, float]:
-    """W8A8 rounds every activation to int8 per token: a last-bit difference upstream can move
-    a value across a rounding boundary, so it is compared as a rounded path in fp32 too."""
-    if quantization == "w8a8":
+    """W8A8 and W4A8 round every activation to int8: a last-bit difference upstream can move
+    a value across a rounding boundary, so they are compared as a rounded path in fp32 too."""
+    if quantization in ACTIVATION_QUANTIZATIONS:
         return W8A8_TOL
     return EXACT_TOL if dtype == torch.float32 and kv_cache_dtype == "auto" else ROUNDED_TOL
 
@@ -193,7 +194,8 @@ def test_smollm2_every_configuration(dtype, quantization, smollm2_weights, smoll
     torch_dtype = DTYPES[dtype]
     calibration = calibration_token_ids(tokenizer, config.vocab_size) if quantization == "w8a8" else None
     model = build_model(config, state_dict, torch_dtype, quantization,
-                        prequantized if quantization == "int4" else None, calibration_token_ids=calibration)
+                        prequantized if quantization in ("int4", "w4a8") else None,
+                        calibration_token_ids=calibration)
     for kv_cache_dtype in KV_CACHE_DTYPES:
         runs = {}
         # The torch twins of the quantized kernels dequantize every weight at every step: two
@@ -207,6 +209,6 @@ def test_smollm2_every_configuration(dtype, quantization, smollm2_weights, smoll
             for output, reference in zip(runs[native], reference_logprobs):
                 got = prompt_logprobs(output)
                 mean = sum(abs(x - y) for x, y in zip(got, reference)) / len(reference)
-                assert mean <= (0.4 if quantization == "w8a8" else 0.25), (native, kv_cache_dtype, mean)
+                assert mean <= (0.4 if quantization in ACTIVATION_QUANTIZATIONS else 0.25), (native, kv_cache_dtype, mean)
         for a, b in zip(runs[True], runs[False]):
             assert_same_up_to_near_ties(a, b, tolerance(torch_dtype, kv_cache_dtype, quantization))

@@ -1,6 +1,7 @@
 """Weight-only int8 / int4: kernels against dequantize-then-matmul, GGUF 4-bit blocks against
 ``gguf``'s own dequantization, and the int4 SmolLM2 engine end to end (answer and perplexity);
-W8A8: the C++ op against its torch twin, batch invariance, smoothing, SmolLM2's perplexity."""
+W8A8 and W4A8: the C++ ops against their torch twins, batch invariance, W8A8's smoothing,
+SmolLM2's perplexity."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from tests.conftest import tiny_config, tiny_state_dict
 from pagedllm.config import EngineArgs
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.quantization import (KERNEL_MAX_ROWS, Int4Linear, Int8Linear, W8A8Linear, int4_from_q4_1,
-                                          int4_from_q4_k, quantize_int4, quantize_int8, w8a8_linear_torch,
+from pagedllm.layers.quantization import (KERNEL_MAX_ROWS, Int4Linear, Int8Linear, W4A8Linear, W8A8Linear,
+                                          block_w4a8, int4_from_q4_1, int4_from_q4_k, quantize_int4,
+                                          quantize_int8, unblock_w4a8, w4a8_linear_torch, w8a8_linear_torch,
                                           weight_bytes)
 from pagedllm.models.loader import build_model
 from pagedllm.sampling_params import SamplingParams
@@ -283,3 +285,147 @@ def test_w8a8_smollm2_keeps_perplexity_within_two_percent():
             assert all(not torch.equal(m.smooth_inv, torch.ones_like(m.smooth_inv)) for m in layers)  # calibrated
         del llm
     assert results["w8a8"] / results[None] - 1 < 0.02, results
+
+
+# ------------------------------------------------------------------------------------ W4A8
+def _w4a8_reference(x: torch.Tensor, layer: W4A8Linear) -> torch.Tensor:
+    """``csrc/w4a8.cpp``'s formula in float64 from scratch: the activation codes per 32-input
+    group, exact integer dot products, then the scale and min terms (the kernel rounds these in
+    fp32, so it is within a few fp32 ulps of this)."""
+    weight = unblock_w4a8(layer.blocked)
+    m, k = x.shape
+    v = x.float().view(m, k // 32, 32)
+    amax = v.abs().amax(dim=-1)
+    s = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = torch.round(v / s[..., None]).clamp(-127, 127).double()  # the fp32 quotient, as the kernel's
+    v, s = v.double(), s.double()
+    codes = weight.codes.double().view(-1, k // 32, 32)
+    dots = torch.einsum("mgi,ngi->mng", q, codes)
+    sums = (s * q.sum(-1)).float().double()  # the kernel's fp32 product
+    y = (dots * weight.scales.double() * s[:, None, :] + weight.mins.double() * sums[:, None, :]).sum(-1)
+    return y if layer.bias is None else y + layer.bias.double()
+
+
+def test_w4a8_layout_keeps_codes_and_fp16_scales():
+    weight, bias = _random_linear(48, 96)
+    quantized = quantize_int4(weight, half_scales=True)
+    assert torch.equal(quantized.scales, quantized.scales.half().float())
+    blocked = block_w4a8(quantized)
+    assert blocked.shape == (3, 3, 320) and blocked.dtype == torch.uint8
+    back = unblock_w4a8(blocked)
+    assert torch.equal(back.codes, quantized.codes) and torch.equal(back.scales, quantized.scales)
+    assert torch.equal(back.mins, quantized.mins)
+    # Still group min/max 4-bit: within half a step (plus the fp16 rounding of min and scale).
+    layer = W4A8Linear(quantized, bias)
+    step = quantized.scales.repeat_interleave(32, dim=1)
+    assert ((layer.dequantize() - weight).abs() <= step * 0.51 + 1e-4).all()
+
+
+def test_w4a8_rejects_shapes_off_its_tiles():
+    weight, bias = _random_linear(102, 96)  # 102 channels: not whole tiles of 16
+    with pytest.raises(ValueError, match="w4a8 needs out_features divisible by 16 and in_features by 32"):
+        W4A8Linear.from_float(weight, bias)
+    quantized = quantize_int4(weight[:96])
+    quantized.input_order = torch.arange(96).flip(0)  # a GPTQ act-order weight
+    with pytest.raises(ValueError, match="in their own order"):
+        W4A8Linear(quantized, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 8, 9, 17, 130, 300])
+@pytest.mark.parametrize("shape,bias", [((48, 64), True), ((96, 576), False)])
+def test_w4a8_native_matches_reference_and_portable_bitwise(dtype, rows, shape, bias):
+    """The VPDPBUSD and VPMADDUBSW paths are bitwise equal (the same int32 sums); both are the
+    float64 formula within fp32 rounding, and the torch twin too (it rounds the scaling steps
+    separately). Rows 1-9, 17: every register block remainder (8 rows); 130, 300: more than one
+    row block (128)."""
+    from pagedllm.layers import ops
+
+    native = ops.native_ops()
+    assert native is not None
+    weight, b = _random_linear(*shape)
+    layer = W4A8Linear.from_float(weight, b if bias else None)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, shape[1], generator=g)
+    if rows:
+        x[0, :32] = 0  # an all-zero group: scale 1, codes 0
+        x[-1, 40] = 50.0  # an outlier takes its group's scale
+    x = x.to(dtype)
+    got = native.w4a8_linear(x, layer.blocked, layer.bias)
+    assert got.dtype == dtype and got.shape == (rows, shape[0])
+    assert torch.equal(got, native.w4a8_linear(x, layer.blocked, layer.bias, True))
+    if not rows:
+        return
+    reference = _w4a8_reference(x.float(), layer)
+    twin = w4a8_linear_torch(x, layer.blocked, layer.bias)
+    # A few fp32 ulps of the largest partial sums; in bf16 also one bf16 rounding of the result.
+    atol = 1e-5 * reference.abs().max().item()
+    rtol = 1e-6 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(got.double(), reference, atol=atol, rtol=rtol)
+    torch.testing.assert_close(twin.double(), reference, atol=atol, rtol=rtol)
+
+
+def test_w4a8_rows_do_not_depend_on_the_batch():
+    """One kernel for every batch size: a row alone gives bitwise its row in a batch (prefill,
+    decode and mixed steps alike)."""
+    weight, bias = _random_linear(64, 96)
+    layer = W4A8Linear.from_float(weight, bias)
+    x = torch.randn(300, 96, generator=torch.Generator().manual_seed(1))
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = layer(x.to(dtype))
+        assert all(torch.equal(layer(x[i:i + 1].to(dtype))[0], batch[i]) for i in (0, 7, 131, 299))
+
+
+def test_w4a8_is_the_weight_times_the_rounded_activations():
+    """The product is the 4-bit weight times the activations rounded to int8 per 32-input group
+    (``x' = s * q``), up to fp32 rounding; against fp32 activations (``int4``) that adds about
+    the activations' own rounding error (steps of 1/127 of each group's largest input)."""
+    weight, bias = _random_linear(192, 256)
+    layer = W4A8Linear.from_float(weight, bias)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    groups = x.view(64, 8, 32)
+    scales = groups.abs().amax(dim=-1, keepdim=True) / 127
+    rounded = (torch.round(groups / scales) * scales).view(64, 256)
+    exact = F.linear(x, layer.dequantize(), bias)
+    torch.testing.assert_close(layer(x), F.linear(rounded, layer.dequantize(), bias), rtol=1e-5, atol=1e-5)
+    input_error = ((rounded - x).norm() / x.norm()).item()
+    error = ((layer(x) - exact).norm() / exact.norm()).item()
+    assert 0.5 * input_error < error < 2 * input_error < 0.02, (error, input_error)
+
+
+def test_w4a8_model_wires_every_layer():
+    """quantize_model("w4a8"): every decoder projection a W4A8Linear with the int4 method's
+    codes (fp16 scales), the embedding and LM head grouped int8 as int4's."""
+    config = tiny_config()
+    state_dict = tiny_state_dict(config)
+    model = build_model(config, state_dict, torch.float32, quantization="w4a8")
+    int4 = build_model(config, state_dict, torch.float32, quantization="int4")
+    layers = [m for m in model.modules() if isinstance(m, W4A8Linear)]
+    assert len(layers) == 4 * config.num_hidden_layers
+    assert isinstance(model.lm_head, Int8Linear) and model.lm_head.scales.dim() == 2
+    for (name, a), (_, b) in zip(model.named_modules(), int4.named_modules()):
+        if isinstance(a, W4A8Linear):
+            assert isinstance(b, Int4Linear), name
+            # The same groups; fp16 scales and mins may move a code by one step.
+            step = b.scales.repeat_interleave(32, dim=1)
+            assert ((a.dequantize() - b.dequantize()).abs() <= step * 1.01 + 1e-3).all(), name
+
+
+@pytest.mark.slow
+def test_w4a8_smollm2_keeps_perplexity_of_its_int4_weights():
+    """SmolLM2's GGUF layers are Q4_1 (fp16 scales and mins), so w4a8 multiplies by the file's
+    own weights, as int4 does; only the activations' int8 rounding is new. Perplexity on 512
+    tokens within 2 % of int4's and the capital of France still Paris."""
+    from pagedllm import LLM
+    from pagedllm.benchmarks.accuracy import perplexity, shipped_text_token_ids
+
+    results = {}
+    for method in ("int4", "w4a8"):
+        llm = LLM(dtype="float32", quantization=method, kv_cache_memory_bytes=128 * 2**20, max_model_len=1024)
+        results[method] = perplexity(llm, shipped_text_token_ids(llm.get_tokenizer(), 512))
+        if method == "w4a8":
+            out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+            assert "Paris" in out[0].outputs[0].text
+        del llm
+    assert abs(results["w4a8"] / results["int4"] - 1) < 0.02, results

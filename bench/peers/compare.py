@@ -137,7 +137,7 @@ def main() -> int:
     parser.add_argument("--workdir", default="/tmp/peers", help="workload JSON and per-run logs go here")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per process")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both systems")
-    parser.add_argument("--quantization", choices=["int8", "int4", "w8a8"], help="pagedllm only")
+    parser.add_argument("--quantization", choices=["int8", "int4", "w8a8", "w4a8"], help="pagedllm only")
     parser.add_argument("--kv-cache-dtype", default="auto", help="pagedllm only")
     parser.add_argument("--worker-pagedllm", metavar="WORKLOAD_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()

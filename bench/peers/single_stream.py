@@ -26,7 +26,7 @@ from compare import run_one
 
 HERE = Path(__file__).resolve().parent
 BUDGET = 1 << 30
-CONFIGS = ["none", "int8", "int4", "w8a8"]
+CONFIGS = ["none", "int8", "int4", "w8a8", "w4a8"]
 CONFIGS += [f"{q}:bf16kv" for q in CONFIGS]
 
 

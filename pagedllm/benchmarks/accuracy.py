@@ -24,7 +24,7 @@ from typing import Optional
 from pagedllm.benchmarks.throughput import TEXT_PATH, build_workload
 from pagedllm.config import EngineArgs
 
-METHODS = (None, "int8", "int4", "w8a8")
+METHODS = (None, "int8", "int4", "w8a8", "w4a8")
 
 
 def shipped_text_token_ids(tokenizer, num_tokens: int) -> list[int]:

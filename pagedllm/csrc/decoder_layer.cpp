@@ -13,6 +13,7 @@
 //   int8 W8A8:        [codes [N, K], scales [N], smooth_inv [1, K]] (+ bias) -> w8a8_linear
 //                     (told apart from int8 + bias by the third tensor's two dimensions)
 //   uint8 (int4):     [packed [N, K/2], scales, mins] (+ bias) -> int4_linear
+//   uint8 W4A8:       [blocked [N/16, K/32, 320]] (+ bias)  -> w4a8_linear (told by 3 dimensions)
 // (the quantized kernels on fp32 rows, bf16 activations widened and the result narrowed back).
 
 #include <ATen/ATen.h>
@@ -45,6 +46,7 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& params) {
       return widen ? y.to(x.scalar_type()) : y;
     }
     case at::kByte: {
+      if (first.dim() == 3) return w4a8_linear(x, first, bias_at(1), /*portable=*/false);
       const at::Tensor y = int4_linear(widen ? x.to(at::kFloat) : x.contiguous(), first, params.at(1), params.at(2),
                                        bias_at(3));
       return widen ? y.to(x.scalar_type()) : y;

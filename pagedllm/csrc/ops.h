@@ -1,6 +1,6 @@
 // The C++ ops, callable from one another (decoder_layer.cpp runs a whole decode layer through
 // them). Each is also registered as torch.ops.pagedllm.<name>; see the defining file for the
-// semantics: fused_ops.cpp, paged_attention.cpp, quant_gemm.cpp, w8a8.cpp.
+// semantics: fused_ops.cpp, paged_attention.cpp, quant_gemm.cpp, w8a8.cpp, w4a8.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -27,5 +27,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std:
                        bool portable);
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& smooth_inv, const std::optional<at::Tensor>& bias, bool portable);
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       bool portable);
 
 }  // namespace pagedllm

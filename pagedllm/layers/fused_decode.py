@@ -70,7 +70,7 @@ class FusedDecode:
         (``KERNEL_MAX_ROWS``; ``w8a8`` takes any batch)."""
         if not self.enabled or metadata.prefills or metadata.num_decode_tokens != num_tokens or not num_tokens:
             return False
-        if self.quantization not in (None, "w8a8") and num_tokens > KERNEL_MAX_ROWS:
+        if self.quantization not in (None, "w8a8", "w4a8") and num_tokens > KERNEL_MAX_ROWS:
             return False
         return native_ops() is not None
 

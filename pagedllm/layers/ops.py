@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp",
-                                        "quant_gemm.cpp", "w8a8.cpp", "decoder_layer.cpp")]
+                                        "quant_gemm.cpp", "w8a8.cpp", "w4a8.cpp",
+                                        "decoder_layer.cpp")]
 HEADERS = [CSRC / "cpu_vec.h", CSRC / "ops.h"]
 
 

@@ -37,7 +37,7 @@ from pagedllm.layers.ops import native_ops
 # pagedllm quantizes the float weights itself (int8, int4) or loads a checkpoint's own integer
 # weights (vLLM's names for the formats; models/quantized_checkpoint.py reads them).
 CHECKPOINT_QUANTIZATION_METHODS = ("awq", "gptq", "compressed-tensors")
-QUANTIZATION_METHODS = ("int8", "int4", "w8a8") + CHECKPOINT_QUANTIZATION_METHODS
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "w4a8") + CHECKPOINT_QUANTIZATION_METHODS
 INT4_GROUP_SIZE = 32
 # SmoothQuant's migration strength. SmolLM2-135M, perplexity on 2,048 tokens of the shipped text
 # (calibrated on the next 1,024): fp32 unquantized 18.50; W8A8 with alpha 0.5 19.78, 0.6 19.05,
@@ -142,8 +142,10 @@ def quantize_int8(weight: torch.Tensor, grouped: bool = False) -> tuple[torch.Te
     return codes.view(n, k), scales
 
 
-def quantize_int4(weight: torch.Tensor) -> Int4Weight:
-    """Group-32 min/max asymmetric 4-bit (the ``Q4_1`` recipe of llama.cpp, fp32 scale and min).
+def quantize_int4(weight: torch.Tensor, half_scales: bool = False) -> Int4Weight:
+    """Group-32 min/max asymmetric 4-bit (the ``Q4_1`` recipe of llama.cpp, fp32 scale and min;
+    with ``half_scales`` both are rounded to fp16 before the codes are chosen, as ``Q4_1``
+    stores them).
 
     Raises:
         ValueError: ``K`` (``weight.shape[1]``) is not a multiple of 32.
@@ -154,6 +156,8 @@ def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     groups = weight.float().reshape(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
     mins = groups.amin(dim=-1)
     scales = (groups.amax(dim=-1) - mins) / 15.0
+    if half_scales:
+        mins, scales = mins.half().float(), scales.half().float()
     inverse = torch.where(scales == 0, torch.zeros_like(scales), 1.0 / scales)
     codes = torch.round((groups - mins[..., None]) * inverse[..., None]).clamp_(0, 15)
     return Int4Weight(codes.to(torch.uint8).view(n, k), scales, mins)
@@ -409,6 +413,121 @@ class W8A8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+W4A8_TILE = 16  # output channels per tile of the W4A8 layout
+W4A8_GROUP_BYTES = 320  # per tile and group: 256 code bytes, 16 fp16 scales, 16 fp16 mins
+
+
+def block_w4a8(weight: Int4Weight) -> torch.Tensor:
+    """An ``Int4Weight`` in the layout of ``csrc/w4a8.cpp``: ``[N / 16, K / 32, 320]`` uint8.
+
+    For each tile of 16 output channels and each 32-input group: 256 code bytes, where byte
+    ``64 j + 4 ch + i`` holds code ``[ch, 32 g + 4 j + i]`` in its low nibble and
+    ``[ch, 32 g + 16 + 4 j + i]`` in its high nibble, then the 16 scales and the 16 mins as
+    fp16 (rounded from the weight's fp32 ones, as GGUF ``Q4_1`` stores them).
+
+    Raises:
+        ValueError: ``N`` not a multiple of 16, ``K`` not of 32, or an ``input_order``.
+    """
+    n, k = weight.codes.shape
+    if n % W4A8_TILE or k % INT4_GROUP_SIZE or weight.input_order is not None:
+        raise ValueError(f"w4a8 needs out_features divisible by {W4A8_TILE} and in_features by "
+                         f"{INT4_GROUP_SIZE}, in their own order; got a [{n}, {k}] weight"
+                         + (" with an input order" if weight.input_order is not None else ""))
+    tiles, groups = n // W4A8_TILE, k // INT4_GROUP_SIZE
+    codes = weight.codes.view(tiles, W4A8_TILE, groups, 2, 4, 4)  # [tile, ch, group, half, j, i]
+    packed = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [tile, group, j, ch, i]
+
+    def halves(t: torch.Tensor) -> torch.Tensor:  # [N, groups] fp32 -> [tiles, groups, 32] bytes
+        return t.half().view(tiles, W4A8_TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([packed.reshape(tiles, groups, 256), halves(weight.scales), halves(weight.mins)], dim=2).contiguous()
+
+
+def unblock_w4a8(blocked: torch.Tensor) -> Int4Weight:
+    """The inverse of ``block_w4a8``: codes ``[N, K]`` uint8, scales and mins ``[N, K / 32]`` fp32
+    (the fp16 values, widened)."""
+    tiles, groups, _ = blocked.shape
+    packed = blocked[:, :, :256].reshape(tiles, groups, 4, W4A8_TILE, 4).permute(0, 3, 1, 2, 4)  # [tile, ch, group, j, i]
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=3)  # [tile, ch, group, half, j, i]
+
+    def floats(part: torch.Tensor) -> torch.Tensor:
+        return part.contiguous().view(torch.float16).transpose(1, 2).reshape(tiles * W4A8_TILE, groups).float()
+
+    return Int4Weight(codes.reshape(tiles * W4A8_TILE, groups * INT4_GROUP_SIZE).contiguous(),
+                      floats(blocked[:, :, 256:288]), floats(blocked[:, :, 288:]))
+
+
+def w4a8_linear_torch(x: torch.Tensor, blocked: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The torch twin of the C++ ``w4a8_linear`` (``csrc/w4a8.cpp``): the same activation codes
+    and integer dot products, the fp32 scaling rounded separately (the kernel fuses it), so the
+    two agree to fp32 rounding.
+
+    Args:
+        x: ``[M, K]`` float32 or bfloat16; blocked: ``[N / 16, K / 32, 320]`` uint8
+            (``block_w4a8``); bias: ``[N]`` fp32 or None.
+
+    Returns: ``[M, N]`` in ``x``'s dtype.
+    """
+    weight = unblock_w4a8(blocked)
+    m, k = x.shape
+    groups = k // INT4_GROUP_SIZE
+    v = x.float().view(m, groups, INT4_GROUP_SIZE)
+    amax = v.abs().amax(dim=-1)
+    s = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = torch.round(v / s[..., None]).clamp_(-127, 127)
+    sums = s * q.sum(dim=-1)  # exact integers below 2 ** 24, then one fp32 product
+    codes = weight.codes.float().view(-1, groups, INT4_GROUP_SIZE)
+    y = torch.zeros(m, codes.shape[0])
+    for g in range(groups):
+        dot = q[:, g] @ codes[:, g].t()  # integers below 2 ** 24: exact in fp32
+        y = y + dot * (weight.scales[:, g] * s[:, g:g + 1]) + weight.mins[:, g] * sums[:, g:g + 1]
+    return (y if bias is None else y + bias).to(x.dtype)
+
+
+class W4A8Linear(nn.Module):
+    """``y ~= x @ W.T + bias`` with 4-bit weights and int8 activations (``quantization="w4a8"``):
+    GGUF ``Q4_1`` weights (group 32, fp16 scale and min) times activations quantized per token
+    and 32-input group (``Q8_1``), multiplied in integers by the CPU's u8 x s8 dot product
+    (VPDPBUSD; VPMADDUBSW without AVX512_VNNI): llama.cpp's ``Q4_1 x Q8_1`` dot. Formula and
+    layout: ``csrc/w4a8.cpp``. Every batch size (decode, prefill) takes the same kernel, so a
+    row's result does not depend on the other rows.
+
+    Attributes:
+        blocked: ``[N / 16, K / 32, 320]`` uint8 (``block_w4a8``); bias: ``[N]`` fp32 or None.
+
+    Raises:
+        ValueError: (constructor) ``N`` not a multiple of 16 or ``K`` of 32.
+    """
+
+    def __init__(self, weight: Int4Weight, bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.codes.shape
+        self.register_buffer("blocked", block_w4a8(weight))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.input_order = None
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "W4A8Linear":
+        return cls(quantize_int4(weight, half_scales=True), bias)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[N, K]`` weight the layer stands for, ``scales * codes + mins``."""
+        return unblock_w4a8(self.blocked).dequantize().to(dtype)
+
+    def kernel_args(self) -> list[torch.Tensor]:
+        """The tensors ``decode_layers`` takes for this layer: ``blocked`` (+ bias)."""
+        return [self.blocked] + ([] if self.bias is None else [self.bias])
+
+    def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``x`` ``[M, K]`` float32 or bfloat16 -> ``[M, N]`` in ``out_dtype`` (default ``x``'s)."""
+        ops = native_ops()
+        y = ops.w4a8_linear(x, self.blocked, self.bias) if ops is not None else w4a8_linear_torch(x, self.blocked, self.bias)
+        return y if out_dtype is None else y.to(out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
 class Int8Embedding(nn.Module):
     """A token embedding that looks up rows of a grouped ``Int8Linear`` (the LM head's, when
     the two are tied, so one int8 copy serves both). ``forward``: ``[T]`` int64 ids ->
@@ -494,6 +613,10 @@ def quantize_model(model: nn.Module, prequantized: Optional[dict[str, "Int4Weigh
             return Int8Linear.from_float(linear.weight, linear.bias)
         if method == "w8a8":
             return W8A8Linear.from_float(linear.weight, linear.bias, activation_absmax.get(linear))
+        if method == "w4a8":
+            if all(p is not None for p in parts):
+                return W4A8Linear(Int4Weight.cat(parts), linear.bias)
+            return W4A8Linear.from_float(linear.weight, linear.bias)
         if all(p is not None for p in parts):
             return Int4Linear(Int4Weight.cat(parts), linear.bias)
         return Int4Linear.from_float(linear.weight, linear.bias)

@@ -214,7 +214,7 @@ def load_prequantized(path: Path, quantization: Optional[str]) -> tuple[Optional
     config_file = folder / "config.json"
     raw = json.loads(config_file.read_text()) if config_file.exists() else {}
     if quantization in (None, *CHECKPOINT_QUANTIZATION_METHODS) or "quantization_config" in raw:
-        if quantization in ("int8", "int4"):
+        if quantization in ("int8", "int4", "w4a8"):
             raise ValueError(f"quantization={quantization!r}: {folder} is already quantized "
                              f"({raw['quantization_config'].get('quant_method')!r}); leave quantization unset")
         quant = checkpoint_quantization(raw, quantization)
@@ -230,7 +230,7 @@ def load_prequantized(path: Path, quantization: Optional[str]) -> tuple[Optional
         modules = pop_quantized_modules(tensors, quant)
         return quant.method, {f"{prefix}.weight": read_quantized_weight(parts, quant)
                               for prefix, parts in modules.items()}
-    return quantization, load_prequantized_int4(path) if quantization == "int4" else {}
+    return quantization, load_prequantized_int4(path) if quantization in ("int4", "w4a8") else {}
 
 
 def load_prequantized_int4(path: Path) -> dict[str, Int4Weight]:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from pagedllm.models.llama import LlamaConfig
 
 INT4_GROUP_SIZE = 32  # layers/quantization.py's group; a row-parallel cut must fall between groups
+W4A8_TILE = 16  # layers/quantization.py's w4a8 tile: output features per rank come in whole tiles
 
 _COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
@@ -67,12 +68,19 @@ class TensorParallelShard:
         if quantization == "w8a8":
             raise ValueError(f"quantization='w8a8' with tensor_parallel_size={size} is not supported yet "
                              "(its calibration runs on the whole model); use tensor_parallel_size=1")
-        if quantization == "int4":
+        if quantization in ("int4", "w4a8"):
             for name, width in (("o_proj", heads * config.head_dim), ("down_proj", config.intermediate_size)):
                 if (width // size) % INT4_GROUP_SIZE:
-                    raise ValueError(f"int4 with tensor_parallel_size={size}: {name}'s {width} input features "
-                                     f"split into slices of {width // size}, not whole groups of "
+                    raise ValueError(f"{quantization} with tensor_parallel_size={size}: {name}'s {width} input "
+                                     f"features split into slices of {width // size}, not whole groups of "
                                      f"{INT4_GROUP_SIZE}")
+        if quantization == "w4a8":
+            for name, rows in (("q_proj", self.num_heads(config) * config.head_dim),
+                               ("k_proj", self.num_kv_heads(config) * config.head_dim),
+                               ("gate_proj", config.intermediate_size // size)):
+                if rows % W4A8_TILE:
+                    raise ValueError(f"w4a8 with tensor_parallel_size={size}: {name} has {rows} output features "
+                                     f"per rank, not whole tiles of {W4A8_TILE}")
 
     def num_heads(self, config: "LlamaConfig") -> int:
         """Q heads on this rank."""

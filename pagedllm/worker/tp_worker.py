@@ -312,7 +312,7 @@ def _worker_main(rank: int, port: int, args: EngineArgs, checkpoint: Optional[tu
         if checkpoint is None:
             path = resolve_model_path(args.model)
             config, state_dict = load_checkpoint(path)
-            if args.quantization == "int4":
+            if args.quantization in ("int4", "w4a8"):
                 prequantized = load_prequantized_int4(path)
         else:
             config, state_dict = checkpoint

@@ -1,0 +1,251 @@
+// W4A8 linear layer: 4-bit weights (group-32 asymmetric, fp16 scale and min) times int8
+// activations (per token and 32-input group, quantized on the fly), multiplied in integers by the
+// CPU's u8 x s8 dot product. The arithmetic of llama.cpp's Q4_1 x Q8_1 dot (ggml-cpu
+// quants.c, ggml_vec_dot_q4_1_q8_1): per group g of 32 inputs, with W = d[n, g] * c + m[n, g]
+// (c in [0, 15]) and x ~= s[r, g] * q (q in [-127, 127]),
+//
+//   s[r, g]    = max |x[r, 32g : 32g + 32]| / 127 (1 for an all-zero group)
+//   q[r, k]    = round_half_even(x[r, k] / s[r, g]), clamped to [-127, 127]
+//   sum[r, g]  = s[r, g] * float(q[r, 32g] + ... + q[r, 32g + 31])   (the rounded inputs' sum)
+//   dot        = sum_k c[n, k] * q[r, k] over the group   (int32, exact)
+//   y[r, n]    = sum over g, in order, of  fma(m[n, g], sum[r, g], fma(float(dot), d[n, g] * s[r, g], .))
+//                + bias[n], stored in x's dtype
+//
+// so y is W @ x' for x' = s * q, the activations rounded (Q8_1 stores the same sum). The min
+// term must see the same rounded inputs as the scale term: d * c and m are each about as large
+// as the group's range and cancel in W, so pairing the exact sum with the rounded products
+// would scale the rounding error by |W - m| instead of |W| (twice the error, measured).
+//
+// Weight layout (pagedllm/layers/quantization.py, block_w4a8): [N / 16, K / 32, 320] bytes, for
+// each tile of 16 output channels and each group: 256 bytes of codes, then the 16 channels'
+// scales d and mins m as fp16 (32 bytes each). Code byte 64 j + 4 ch + i holds c[ch, 32g + 4j + i]
+// in its low nibble and c[ch, 32g + 16 + 4j + i] in its high nibble: one 64-byte load masked
+// (or shifted) gives 16 channels x 4 consecutive inputs as unsigned bytes, which VPDPBUSD
+// multiplies by the 4 inputs' codes broadcast to every lane, summing into 16 per-channel int32
+// lanes. So lanes are channels (no horizontal sums), a tile is one sequential stream of
+// 0.625 bytes per weight, and the per-group scaling is two FMAs on 16 channels at once.
+//
+// Every row takes the same operations in the same order whatever the batch, so a row's result
+// does not depend on the other rows (decode, prefill and mixed steps alike). Without
+// AVX512_VNNI (or with `portable`) the dot product is VPMADDUBSW + VPMADDWD, whose int16 pair
+// sums cannot saturate here (2 * 15 * 127 < 32767): the same int32 sums, so the same bits.
+// Without AVX512BW a scalar loop computes the same formula.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "cpu_vec.h"
+#include "ops.h"
+
+namespace pagedllm {
+namespace {
+
+constexpr int64_t kTile = 16;          // output channels per tile
+constexpr int64_t kGroup = 32;         // inputs per group
+constexpr int64_t kGroupBytes = 320;   // 256 code bytes + 16 fp16 scales + 16 fp16 mins
+constexpr int64_t kMaxRows = 8;        // rows per register block: 8 float + 1 int accumulators
+constexpr int64_t kRowBlock = 128;     // rows whose activations stay in L2 while a thread's tiles pass
+constexpr int64_t kParallelElements = 1 << 16;
+
+inline float load_scalar(const float* p) { return *p; }
+inline float load_scalar(const c10::BFloat16* p) { return static_cast<float>(*p); }
+
+// One row's groups: q [K] int8, s [K / 32], sum [K / 32].
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* q, float* s, float* sum) {
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const T* xg = x + g * kGroup;
+#if defined(__AVX512F__)
+    const __m512 a = pagedllm_vec::load16(xg), b = pagedllm_vec::load16(xg + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float scale = amax > 0.f ? amax / 127.f : 1.f;
+    const __m512 vs = _mm512_set1_ps(scale);
+    const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    const __m512 v0 = _mm512_roundscale_ps(_mm512_div_ps(a, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 v1 = _mm512_roundscale_ps(_mm512_div_ps(b, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v0, lo), hi))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup + 16),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v1, lo), hi))));
+#else
+    float amax = 0.f;
+    for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(load_scalar(xg + i)));
+    const float scale = amax > 0.f ? amax / 127.f : 1.f;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      const float v = std::nearbyint(load_scalar(xg + i) / scale);
+      q[g * kGroup + i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+    }
+#endif
+    int32_t codes = 0;
+    for (int64_t i = 0; i < kGroup; ++i) codes += q[g * kGroup + i];
+    s[g] = scale;
+    sum[g] = scale * static_cast<float>(codes);
+  }
+}
+
+#if defined(__AVX512BW__)
+// y[r, n0 : n0 + 16] for R rows from one tile (`tile`: K / 32 groups of kGroupBytes).
+template <int R, bool Vnni, typename T>
+inline void tile_rows(const int8_t* q, const float* s, const float* sum, int64_t k, const uint8_t* tile, T* y,
+                      int64_t n, const float* bias) {
+  const int64_t groups = k / kGroup;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i ones = _mm512_set1_epi16(1);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = tile + g * kGroupBytes;
+    __m512i w[8];  // w[2j]: inputs 4j..4j+3 of the group; w[2j + 1]: inputs 16+4j..16+4j+3
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(p + 64 * j);
+      w[2 * j] = _mm512_and_si512(v, low4);
+      w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int8_t* qg = q + r * k + g * kGroup;
+      __m512i dot = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        // Inputs 4(j/2).. (low nibbles) or 16 + 4(j/2).. (high), broadcast straight from memory.
+        const __m512i xb = _mm512_broadcastd_epi32(_mm_loadu_si32(qg + (j & 1) * 16 + (j / 2) * 4));
+#if defined(__AVX512VNNI__)
+        if constexpr (Vnni) {
+          dot = _mm512_dpbusd_epi32(dot, w[j], xb);
+          continue;
+        }
+#endif
+        dot = _mm512_add_epi32(dot, _mm512_madd_epi16(_mm512_maddubs_epi16(w[j], xb), ones));
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(s[r * groups + g])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum[r * groups + g]), acc[r]);
+    }
+  }
+  const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) pagedllm_vec::store16(y + r * n, _mm512_add_ps(acc[r], b));
+}
+
+template <bool Vnni, typename T>
+void tile_all_rows(const int8_t* q, const float* s, const float* sum, int64_t rows, int64_t k, const uint8_t* tile,
+                   T* y, int64_t n, const float* bias) {
+  const int64_t groups = k / kGroup;
+  int64_t r = 0;
+  for (; r + kMaxRows <= rows; r += kMaxRows)
+    tile_rows<kMaxRows, Vnni>(q + r * k, s + r * groups, sum + r * groups, k, tile, y + r * n, n, bias);
+  switch (rows - r) {
+#define CASE(R) \
+  case R: tile_rows<R, Vnni>(q + r * k, s + r * groups, sum + r * groups, k, tile, y + r * n, n, bias); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
+#undef CASE
+    default: break;
+  }
+}
+#else
+// The same formula one lane at a time (std::fma rounds as the vector FMA does).
+template <typename T>
+void tile_all_rows_scalar(const int8_t* q, const float* s, const float* sum, int64_t rows, int64_t k,
+                          const uint8_t* tile, T* y, int64_t n, const float* bias) {
+  const int64_t groups = k / kGroup;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t ch = 0; ch < kTile; ++ch) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* p = tile + g * kGroupBytes;
+        int32_t dot = 0;
+        for (int64_t j = 0; j < 4; ++j) {
+          for (int64_t i = 0; i < 4; ++i) {
+            const uint8_t byte = p[64 * j + 4 * ch + i];
+            dot += static_cast<int32_t>(byte & 0x0F) * q[r * k + g * kGroup + 4 * j + i];
+            dot += static_cast<int32_t>(byte >> 4) * q[r * k + g * kGroup + 16 + 4 * j + i];
+          }
+        }
+        c10::Half d, m;
+        std::memcpy(&d, p + 256 + 2 * ch, 2);
+        std::memcpy(&m, p + 288 + 2 * ch, 2);
+        acc = std::fma(static_cast<float>(dot), static_cast<float>(d) * s[r * groups + g], acc);
+        acc = std::fma(static_cast<float>(m), sum[r * groups + g], acc);
+      }
+      y[r * n + ch] = static_cast<T>(acc + (bias != nullptr ? bias[ch] : 0.f));
+    }
+  }
+}
+#endif
+
+template <typename T>
+at::Tensor w4a8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            bool portable) {
+  const int64_t m = x.size(0), k = x.size(1), tiles = weight.size(0), n = tiles * kTile, groups = k / kGroup;
+  at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor s = at::empty({m, groups}, x.options().dtype(at::kFloat));
+  at::Tensor sum = at::empty({m, groups}, x.options().dtype(at::kFloat));
+  const T* xp = x.data_ptr<T>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = s.data_ptr<float>();
+  float* sump = sum.data_ptr<float>();
+  at::parallel_for(0, m, std::max<int64_t>(1, kParallelElements / k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) quantize_row(xp + r * k, k, qp + r * k, sp + r * groups, sump + r * groups);
+  });
+  at::Tensor y = at::empty({m, n}, x.options());
+  T* yp = y.data_ptr<T>();
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  // Each thread takes a contiguous run of tiles (one stream through memory) and, for each block
+  // of rows, passes every tile of its run over them.
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row0 = 0; row0 < m; row0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, m - row0);
+      for (int64_t t = begin; t < end; ++t) {
+        const uint8_t* tile = wp + t * groups * kGroupBytes;
+        const float* tile_bias = bp != nullptr ? bp + t * kTile : nullptr;
+        T* out = yp + row0 * n + t * kTile;
+#if defined(__AVX512BW__)
+        if (portable) tile_all_rows<false>(qp + row0 * k, sp + row0 * groups, sump + row0 * groups, rows, k, tile, out, n, tile_bias);
+        else tile_all_rows<true>(qp + row0 * k, sp + row0 * groups, sump + row0 * groups, rows, k, tile, out, n, tile_bias);
+#else
+        (void)portable;
+        tile_all_rows_scalar(qp + row0 * k, sp + row0 * groups, sump + row0 * groups, rows, k, tile, out, n, tile_bias);
+#endif
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       bool portable) {
+  TORCH_CHECK_VALUE(weight.dim() == 3 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
+                        weight.size(2) == kGroupBytes,
+                    "w4a8_linear: weight must be a contiguous uint8 [N / 16, K / 32, 320] tensor, got ",
+                    weight.scalar_type(), " ", weight.sizes());
+  const int64_t n = weight.size(0) * kTile, k = weight.size(1) * kGroup;
+  TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.size(1) == k &&
+                        (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+                    "w4a8_linear: x must be float32 or bfloat16 [M, ", k, "], got ", x_in.scalar_type(), " ",
+                    x_in.sizes());
+  TORCH_CHECK_VALUE(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                          bias->dim() == 1 && bias->size(0) == n),
+                    "w4a8_linear: bias must be float32 [", n, "]");
+  const at::Tensor x = x_in.contiguous();
+  if (x.size(0) == 0) return at::empty({0, n}, x.options());
+  return x.scalar_type() == at::kFloat ? w4a8_linear_impl<float>(x, weight, bias, portable)
+                                       : w4a8_linear_impl<c10::BFloat16>(x, weight, bias, portable);
+}
+
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("w4a8_linear(Tensor x, Tensor weight, Tensor? bias, bool portable=False) -> Tensor", &pagedllm::w4a8_linear);
+}
