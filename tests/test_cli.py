@@ -31,7 +31,7 @@ EXISTING_FLAGS = {
     "max_num_batched_tokens": (["--max-num-batched-tokens"], int, None, 2048),
     "enable_prefix_caching": (["--enable-prefix-caching", "--no-enable-prefix-caching"], None, None, True),
     "seed": (["--seed"], int, None, 0),
-    "quantization": (["--quantization"], str, ["int8", "int4", "w8a8", "awq", "gptq", "compressed-tensors"], None),
+    "quantization": (["--quantization"], str, ["int8", "int4", "w8a8", "w4a8", "awq", "gptq", "compressed-tensors"], None),
     "kv_cache_dtype": (["--kv-cache-dtype"], str, ["auto", "bfloat16", "float32"], "auto"),
 }
 

@@ -153,7 +153,8 @@ def test_ops_fall_back_to_torch_without_the_extension(monkeypatch):
     (torch.float32, "int4", torch.float32), (torch.float32, "int4", torch.bfloat16),
     (torch.bfloat16, None, torch.bfloat16), (torch.bfloat16, "int8", torch.bfloat16),
     (torch.bfloat16, "int4", torch.bfloat16), (torch.float32, "w8a8", torch.float32),
-    (torch.bfloat16, "w8a8", torch.bfloat16)])
+    (torch.bfloat16, "w8a8", torch.bfloat16), (torch.float32, "w4a8", torch.float32),
+    (torch.bfloat16, "w4a8", torch.bfloat16)])
 @pytest.mark.parametrize("attention_bias", [False, True])  # with a bias, w8a8's qkv has 4 tensors
 def test_decode_layer_op_equals_python_layers(dtype, quantization, kv_cache_dtype, attention_bias):
     """A decode step through the C++ ``decode_layers`` op (one call for all layers) gives bitwise the

@@ -87,11 +87,14 @@ def run(engine: LLMEngine, requests, abort_after: dict[str, int] = None) -> dict
 
 # These start their own engines: they run before the module's shared one starts (one
 # tensor-parallel engine per process).
-def test_int4_tp2_equals_tp1():
+@pytest.mark.parametrize("quantization", ["int4", "w4a8"])
+def test_4bit_tp2_equals_tp1(quantization):
+    """Row-parallel layers split their input along whole groups of 32, so every rank rounds
+    w4a8's activations exactly as one rank does; only the fp32 partial sums' order differs."""
     requests = [(str(i), prompt, SamplingParams(max_tokens=10, **GREEDY))
                 for i, prompt in enumerate(prompts(3, (7, 19)))]
-    expected = run(tp1_engine("int4"), requests)
-    engine = tp2_engine("int4")
+    expected = run(tp1_engine(quantization), requests)
+    engine = tp2_engine(quantization)
     try:
         assert run(engine, requests) == expected
     finally:
@@ -241,6 +244,12 @@ def test_int4_shards_along_whole_groups():
     assert torch.equal(got.mins, expected.mins)
     with pytest.raises(ValueError, match="o_proj's 32 input features split into slices of 16"):
         TensorParallelShard(0, 2).check(tiny_config(head_dim=8, hidden_size=32), "int4")
+    # w4a8 also needs whole 16-channel tiles per rank: 2 KV heads of 8 leave one head, 8 rows.
+    config = tiny_config(num_attention_heads=8, num_key_value_heads=2, head_dim=8, hidden_size=64,
+                         intermediate_size=128)
+    TensorParallelShard(0, 2).check(config, "int4")
+    with pytest.raises(ValueError, match="w4a8 with tensor_parallel_size=2: k_proj has 8 output features"):
+        TensorParallelShard(0, 2).check(config, "w4a8")
 
 
 def test_heads_that_do_not_split_are_refused():
