@@ -1,4 +1,4 @@
-"""Single-stream decode, pagedllm (unquantized, int8, int4) against llama.cpp on a bf16 GGUF of
+"""Single-stream decode, pagedllm (unquantized, int8, int4, w8a8, w4a8) against llama.cpp on a bf16 GGUF of
 the same weights, each run in a fresh process, alternated ``--repeats`` times.
 
     /work/venv/bin/python bench/peers/single_stream.py [--repeats 2] [--model NAME] [--llama-venv V]

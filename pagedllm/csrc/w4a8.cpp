@@ -103,32 +103,41 @@ inline void tile_rows(const int8_t* q, const float* s, const float* sum, int64_t
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = tile + g * kGroupBytes;
-    __m512i w[8];  // w[2j]: inputs 4j..4j+3 of the group; w[2j + 1]: inputs 16+4j..16+4j+3
+    const int8_t* qg = q + g * kGroup;
+    // Rows interleaved in the inner loop (independent dependency chains side by side, only two
+    // code vectors live); up to 4 rows, each row's sum also split in two chains.
+    constexpr int kChains = R <= 4 ? 2 : 1;
+    __m512i dot[R][kChains];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_loadu_si512(p + 64 * j);
-      w[2 * j] = _mm512_and_si512(v, low4);
-      w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      const __m512i lo = _mm512_and_si512(v, low4);                       // inputs 4j .. 4j + 3
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);  // inputs 16 + 4j ..
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        // The row's 4 input codes broadcast straight from memory.
+        const __m512i x_lo = _mm512_broadcastd_epi32(_mm_loadu_si32(qg + r * k + 4 * j));
+        const __m512i x_hi = _mm512_broadcastd_epi32(_mm_loadu_si32(qg + r * k + 16 + 4 * j));
+#if defined(__AVX512VNNI__)
+        if constexpr (Vnni) {
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], lo, x_lo);
+          dot[r][kChains - 1] = _mm512_dpbusd_epi32(dot[r][kChains - 1], hi, x_hi);
+          continue;
+        }
+#endif
+        dot[r][0] = _mm512_add_epi32(dot[r][0], _mm512_madd_epi16(_mm512_maddubs_epi16(lo, x_lo), ones));
+        dot[r][kChains - 1] =
+            _mm512_add_epi32(dot[r][kChains - 1], _mm512_madd_epi16(_mm512_maddubs_epi16(hi, x_hi), ones));
+      }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const int8_t* qg = q + r * k + g * kGroup;
-      __m512i dot = _mm512_setzero_si512();
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        // Inputs 4(j/2).. (low nibbles) or 16 + 4(j/2).. (high), broadcast straight from memory.
-        const __m512i xb = _mm512_broadcastd_epi32(_mm_loadu_si32(qg + (j & 1) * 16 + (j / 2) * 4));
-#if defined(__AVX512VNNI__)
-        if constexpr (Vnni) {
-          dot = _mm512_dpbusd_epi32(dot, w[j], xb);
-          continue;
-        }
-#endif
-        dot = _mm512_add_epi32(dot, _mm512_madd_epi16(_mm512_maddubs_epi16(w[j], xb), ones));
-      }
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(s[r * groups + g])), acc[r]);
+      const __m512i sum_r = kChains == 2 ? _mm512_add_epi32(dot[r][0], dot[r][kChains - 1]) : dot[r][0];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_r), _mm512_mul_ps(d, _mm512_set1_ps(s[r * groups + g])), acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum[r * groups + g]), acc[r]);
     }
   }
