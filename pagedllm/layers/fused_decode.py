@@ -67,7 +67,7 @@ class FusedDecode:
     def applies(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
         """Whether this step can run through ``decode_layers``: the C++ ops are built, one token
         per sequence, and for weight-only quantized weights a batch the quantized kernels take
-        (``KERNEL_MAX_ROWS``; ``w8a8`` takes any batch)."""
+        (``KERNEL_MAX_ROWS``; ``w8a8`` and ``w4a8`` take any batch)."""
         if not self.enabled or metadata.prefills or metadata.num_decode_tokens != num_tokens or not num_tokens:
             return False
         if self.quantization not in (None, "w8a8", "w4a8") and num_tokens > KERNEL_MAX_ROWS:

@@ -504,7 +504,6 @@ class W4A8Linear(nn.Module):
         self.out_features, self.in_features = weight.codes.shape
         self.register_buffer("blocked", block_w4a8(weight))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        self.input_order = None
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "W4A8Linear":
