@@ -89,7 +89,7 @@ class EngineArgs:
                "shared-memory all-reduce (the default on x86; elsewhere gloo is always used)")
     pipeline_parallel_size: int = _option(1, "only 1 is supported (one CPU process)")
     quantization: Optional[str] = _option(
-        None, "weight-only quantization of the linear layers: int8 (per channel) or int4 (groups of "
+        None, "quantization of the linear layers. Weight-only: int8 (per channel) or int4 (groups of "
               "32, asymmetric; GGUF Q4_1/Q4_K tensors are used as they are); w8a8: int8 weights "
               "and int8 activations quantized per token (SmoothQuant, calibrated at load on the "
               "shipped text; the integer dot-product units: VNNI, AMX); w4a8: int4 weights as "

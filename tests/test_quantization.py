@@ -429,3 +429,32 @@ def test_w4a8_smollm2_keeps_perplexity_within_two_percent():
         results[method] = perplexity(llm, shipped_text_token_ids(llm.get_tokenizer(), 2048))
         del llm
     assert results["w4a8"] / results[None] - 1 < 0.02, results
+
+
+@pytest.mark.parametrize("method", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quantization_propagates_nan_and_inf(method, dtype):
+    """A NaN or an infinity in a row's activations gives that row NaN outputs, as a float matmul
+    would (clamping the codes used to turn a NaN into plausible finite values), in the C++ op
+    (both dot-product paths) and in the torch twin; the other rows keep their values."""
+    from pagedllm.layers import ops
+
+    native = ops.native_ops()
+    weight, bias = _random_linear(48, 96)
+    if method == "w8a8":
+        layer = W8A8Linear.from_float(weight, bias)
+        args = (layer.codes, layer.scales, layer.smooth_inv, layer.bias)
+        paths = [lambda x, p=p: native.w8a8_linear(x, *args, p) for p in (False, True)]
+        paths.append(lambda x: w8a8_linear_torch(x, *args))
+    else:
+        layer = W4A8Linear.from_float(weight, bias)
+        paths = [lambda x, p=p: native.w4a8_linear(x, layer.blocked, layer.bias, p) for p in (False, True)]
+        paths.append(lambda x: w4a8_linear_torch(x, layer.blocked, layer.bias))
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0))
+    x[1, 50] = float("nan")
+    x[2, 7] = float("-inf")
+    x = x.to(dtype)
+    for path in paths:
+        y = path(x)
+        assert y[1:].isnan().all()
+        assert torch.equal(y[0], path(x[:1])[0]) and y[0].isfinite().all()

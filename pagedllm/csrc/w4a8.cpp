@@ -65,8 +65,13 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* s, float* sum) {
     const T* xg = x + g * kGroup;
 #if defined(__AVX512F__)
     const __m512 a = pagedllm_vec::load16(xg), b = pagedllm_vec::load16(xg + 16);
+    const __m512 inf = _mm512_set1_ps(INFINITY);
+    const bool finite = !(_mm512_cmp_ps_mask(_mm512_abs_ps(a), inf, _CMP_NLT_UQ) |
+                          _mm512_cmp_ps_mask(_mm512_abs_ps(b), inf, _CMP_NLT_UQ));
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float scale = amax > 0.f ? amax / 127.f : 1.f;
+    // A NaN or infinite input makes the group's scale NaN, so the rows' outputs are NaN (as a
+    // float matmul's would be) rather than finite values from clamped codes.
+    const float scale = !finite ? NAN : amax > 0.f ? amax / 127.f : 1.f;
     const __m512 vs = _mm512_set1_ps(scale);
     const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
     const __m512 v0 = _mm512_roundscale_ps(_mm512_div_ps(a, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -77,8 +82,12 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* s, float* sum) {
                      _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v1, lo), hi))));
 #else
     float amax = 0.f;
-    for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(load_scalar(xg + i)));
-    const float scale = amax > 0.f ? amax / 127.f : 1.f;
+    bool finite = true;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      amax = std::max(amax, std::fabs(load_scalar(xg + i)));
+      finite = finite && std::isfinite(load_scalar(xg + i));
+    }
+    const float scale = !finite ? NAN : amax > 0.f ? amax / 127.f : 1.f;
     for (int64_t i = 0; i < kGroup; ++i) {
       const float v = std::nearbyint(load_scalar(xg + i) / scale);
       q[g * kGroup + i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));

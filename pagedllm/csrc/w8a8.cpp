@@ -47,17 +47,27 @@ inline void store_scalar(c10::BFloat16* p, float v) { *p = c10::BFloat16(v); }
 template <typename T>
 float quantize_row(const T* x, const float* smooth_inv, int8_t* q, int64_t k) {
   float amax = 0.f;
+  bool finite = true;
   int64_t i = 0;
 #if defined(__AVX512F__)
   __m512 vmax = _mm512_setzero_ps();
+  __mmask16 nonfinite = 0;
   for (; i + 16 <= k; i += 16) {
     const __m512 v = _mm512_mul_ps(pagedllm_vec::load16(x + i), _mm512_loadu_ps(smooth_inv + i));
     vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+    nonfinite |= _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
   }
   amax = _mm512_reduce_max_ps(vmax);
+  finite = nonfinite == 0;
 #endif
-  for (; i < k; ++i) amax = std::max(amax, std::fabs(load_scalar(x + i) * smooth_inv[i]));
-  const float scale = amax > 0.f ? amax / 127.f : 1.f;
+  for (; i < k; ++i) {
+    const float v = load_scalar(x + i) * smooth_inv[i];
+    amax = std::max(amax, std::fabs(v));
+    finite = finite && std::isfinite(v);
+  }
+  // A NaN or infinite input makes the row's scale NaN, so its outputs are NaN (as a float
+  // matmul's would be) rather than finite values from clamped codes.
+  const float scale = !finite ? NAN : amax > 0.f ? amax / 127.f : 1.f;
   i = 0;
 #if defined(__AVX512F__)
   const __m512 vscale = _mm512_set1_ps(scale);

@@ -342,6 +342,7 @@ def w8a8_linear_torch(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     v = x.float() * smooth_inv
     amax = v.abs().amax(dim=1, keepdim=True)
     x_scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    x_scales = torch.where(v.isfinite().all(dim=1, keepdim=True), x_scales, torch.nan)  # NaN in, NaN out
     q = torch.round(v / x_scales).clamp_(-127, 127).to(torch.int8)
     y = torch._int_mm(q, codes.t()).float() * x_scales * scales
     return (y if bias is None else y + bias).to(x.dtype)
@@ -474,6 +475,7 @@ def w4a8_linear_torch(x: torch.Tensor, blocked: torch.Tensor, bias: Optional[tor
     v = x.float().view(m, groups, INT4_GROUP_SIZE)
     amax = v.abs().amax(dim=-1)
     s = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    s = torch.where(v.isfinite().all(dim=-1), s, torch.nan)  # NaN or inf in, NaN out
     q = torch.round(v / s[..., None]).clamp_(-127, 127)
     sums = s * q.sum(dim=-1)  # exact integers below 2 ** 24, then one fp32 product
     codes = weight.codes.float().view(-1, groups, INT4_GROUP_SIZE)
