@@ -51,7 +51,7 @@ namespace {
 constexpr int64_t kTile = 16;          // output channels per tile
 constexpr int64_t kGroup = 32;         // inputs per group
 constexpr int64_t kGroupBytes = 320;   // 256 code bytes + 16 fp16 scales + 16 fp16 mins
-constexpr int64_t kMaxRows = 8;        // rows per register block: 8 float + 1 int accumulators
+constexpr int64_t kMaxRows = 8;        // rows per register block: 8 float + 8 int accumulators
 constexpr int64_t kRowBlock = 128;     // rows whose activations stay in L2 while a thread's tiles pass
 constexpr int64_t kParallelElements = 1 << 16;
 

@@ -1,5 +1,6 @@
 """Weight-only quantization of the linear layers: ``int8`` (per output channel) and ``int4``
-(group-wise asymmetric, group 32), with pagedllm's C++ kernels for decode batches.
+(group-wise asymmetric, group 32), with pagedllm's C++ kernels for decode batches; and, with
+int8 activations too, ``w8a8`` (``W8A8Linear``) and ``w4a8`` (``W4A8Linear``).
 
 Formats (``W`` is a ``[N, K]`` weight, ``N`` output features, ``K`` input features):
 
@@ -415,7 +416,6 @@ class W8A8Linear(nn.Module):
 
 
 W4A8_TILE = 16  # output channels per tile of the W4A8 layout
-W4A8_GROUP_BYTES = 320  # per tile and group: 256 code bytes, 16 fp16 scales, 16 fp16 mins
 
 
 def block_w4a8(weight: Int4Weight) -> torch.Tensor:
