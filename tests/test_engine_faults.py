@@ -5,6 +5,8 @@ belongs to may end; every other one, and the engine, go on, and no KV block leak
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 
 import httpx
 import pytest
@@ -221,3 +223,57 @@ def test_request_failed_error_reaches_the_stream_and_the_engine_stays_healthy():
         async_engine.shutdown()
     assert final.request_id == "f" and len(final.outputs[0].token_ids) == 4
     assert final.outputs[0].finish_reason == "length"
+
+
+# ------------------------------------------------------------------------ the engine's thread
+def test_async_engine_builds_its_engine_on_the_thread_that_steps_it(caplog):
+    """Given a function, AsyncLLMEngine builds the engine on its engine thread (one OpenMP team:
+    see its docstring); a prebuilt engine stepped on another thread logs a warning once."""
+    built_on, stepped_on = [], []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.get_ident())
+        engine = make_tiny_engine()
+        step = engine.step
+        engine.step = lambda: stepped_on.append(threading.get_ident()) or step()
+        return engine
+
+    params = SamplingParams(max_tokens=5, **GREEDY)
+
+    async def generate(engine: AsyncLLMEngine) -> list[int]:
+        outputs = [output async for output in await engine.add_request("a", [3, 4, 5], params)]
+        return outputs[-1].outputs[0].token_ids
+
+    engine = AsyncLLMEngine(build)
+    assert built_on == [engine._thread.ident] and built_on[0] != threading.get_ident()
+    engine.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="pagedllm.engine.llm_engine"):
+            assert asyncio.run(generate(engine)) == greedy_alone([3, 4, 5], 5)
+    finally:
+        engine.shutdown()
+    assert set(stepped_on) == set(built_on) and not engine.is_healthy
+    assert "another thread" not in caplog.text
+
+    prebuilt = AsyncLLMEngine(make_tiny_engine())
+    prebuilt.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="pagedllm.engine.llm_engine"):
+            assert asyncio.run(generate(prebuilt)) == greedy_alone([3, 4, 5], 5)
+            asyncio.run(generate(prebuilt))
+    finally:
+        prebuilt.shutdown()
+    assert caplog.text.count("steps on another thread than the one that built it") == 1
+
+
+def test_async_engine_raises_what_building_raised_and_stops_cleanly_unstarted():
+    def fails() -> LLMEngine:
+        raise ValueError("max_model_len (9999) is more than the model's 128")
+
+    with pytest.raises(ValueError, match=r"max_model_len \(9999\)"):
+        AsyncLLMEngine(fails)
+    engine = AsyncLLMEngine(make_tiny_engine)  # built, never started: shutdown must not hang
+    assert engine._thread.is_alive()
+    engine.shutdown(timeout=30)
+    assert not engine._thread.is_alive()
+    assert engine.engine.kv_cache_manager.block_pool.num_used_blocks == 0

@@ -9,7 +9,8 @@ The role of vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``), without a sec
     RequestStream  <-- call_soon_threadsafe -----  engine.step() -> RequestOutputs, stats, metrics
     close()/abort() -- _Abort command ----------->  engine.abort_request() (blocks freed at once)
 
-Only the engine thread touches the ``LLMEngine``, so it needs no lock; the event loop only ever
+Only the engine thread touches the ``LLMEngine`` (servers have it build the engine too, so that
+one thread runs every OpenMP region: see the constructor), so it needs no lock; the event loop only ever
 waits on asyncio primitives and stays free to accept connections, stream and answer /health
 while the model computes. Other threads read immutable snapshots instead (``stats.py``):
 ``model_info``, taken once at construction, and ``stats``, the engine's newest
@@ -46,7 +47,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Callable, Optional, Union
 
 from pagedllm.engine.kv_snapshot import KVCacheSnapshot
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
@@ -196,7 +197,7 @@ class AsyncLLMEngine:
 
     Attributes:
         model_info: the model's fixed facts (``max_model_len``, vocabulary, tokenizer, ...),
-            for the server; taken before the engine thread starts.
+            for the server; taken before the engine thread serves.
         stats: the engine's newest ``SchedulerStats`` snapshot, readable from any thread.
             Replaced (never mutated) by the engine thread after every step and every command
             it takes, so a burst of requests is counted exactly by load shedding. The
@@ -209,8 +210,18 @@ class AsyncLLMEngine:
             engine steps (0.2: a live view updates about five times a second).
 
     Args:
-        engine: the engine; from ``start()`` on, only the engine thread may touch it.
-        metrics: Prometheus metrics to update after every step (None: no metrics).
+        engine: the engine, or (what servers pass) a function without arguments that builds
+            it, which then runs on the engine thread before the constructor returns; from
+            ``start()`` on, only the engine thread may touch the engine. Build it there: the
+            thread that loads a model must be the one that steps it. torch's OpenMP (libgomp)
+            keeps a team of worker threads for every thread that ever ran a parallel region,
+            and once it manages more threads than there are cores it cuts its spin-waits to
+            ~100 spins, so each of a step's ~400 parallel regions sleeps and wakes through
+            the kernel. A w8a8 SmolLM2 decode step stepped on another thread than the one
+            that built it took 1.9x (batch 1) and 1.6x (batch 8) as long (bench/README.md,
+            "Serving: one OpenMP team").
+        metrics: Prometheus metrics to update after every step (None: no metrics); may be
+            set as the attribute until ``start()``, e.g. from ``model_info``.
         max_waiting_requests: refuse a request (``QueueFullError``) when this many sequences
             are waiting already (None: no limit). Counted when the engine thread adds the
             request, so a burst is counted exactly; a request is always accepted when nothing
@@ -222,9 +233,10 @@ class AsyncLLMEngine:
 
     Raises:
         ValueError: ``max_waiting_requests`` < 1 or ``request_timeout`` <= 0.
+        Exception: whatever the engine function raised (the engine thread has ended then).
     """
 
-    def __init__(self, engine: LLMEngine, metrics: Optional[EngineMetrics] = None,
+    def __init__(self, engine: Union[LLMEngine, Callable[[], LLMEngine]], metrics: Optional[EngineMetrics] = None,
                  max_waiting_requests: Optional[int] = None,
                  request_timeout: Optional[float] = None, request_log: Optional[RequestLog] = None) -> None:
         if max_waiting_requests is not None and (isinstance(max_waiting_requests, bool) or
@@ -233,9 +245,6 @@ class AsyncLLMEngine:
             raise ValueError(f"max_waiting_requests must be an integer >= 1, got {max_waiting_requests!r}")
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout!r}")
-        self.engine = engine
-        self.model_info: ModelInfo = engine.get_model_info()
-        self.stats: SchedulerStats = engine.make_stats()
         self.load = LoadStats()
         self._load_tracker = LoadTracker()
         self.metrics = metrics
@@ -254,11 +263,31 @@ class AsyncLLMEngine:
         self._active: dict[str, RequestStream] = {}  # event loop thread only, by user request id
         self._serials = itertools.count()
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        if isinstance(engine, LLMEngine):
+            self._build: Optional[Callable[[], LLMEngine]] = None
+            self._adopt(engine)
+        else:
+            self._build, self._build_error = engine, None
+            self._built, self._started = threading.Event(), threading.Event()
+            self._thread.start()
+            self._built.wait()
+            if self._build_error is not None:
+                self._thread.join()
+                raise self._build_error
+
+    def _adopt(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.model_info: ModelInfo = engine.get_model_info()
+        self.stats: SchedulerStats = engine.make_stats()
         engine.on_worker_failure(lambda: self._commands.put(_CHECK_HEALTH))
 
     # ----------------------------------------------------------------------------- event loop side
     def start(self) -> None:
-        self._thread.start()
+        """Start the engine thread (it runs already when the engine was built on it)."""
+        if self._build is None:
+            self._thread.start()
+        else:
+            self._started.set()
 
     @property
     def is_healthy(self) -> bool:
@@ -383,12 +412,23 @@ class AsyncLLMEngine:
         ``LLMEngine.shutdown`` (the tensor-parallel workers)."""
         if self._thread.is_alive():
             self._commands.put(_STOP)
+            if self._build is not None:
+                self._started.set()  # built but never started: it serves only the stop
             self._thread.join(timeout)
         if self.request_log is not None and not self._thread.is_alive():
             self.request_log.close()
 
     # ----------------------------------------------------------------------------- engine thread
     def _run(self) -> None:
+        if self._build is not None:
+            try:
+                self._adopt(self._build())
+            except BaseException as exc:  # raised again by the constructor, on its thread
+                self._build_error = exc
+                return
+            finally:
+                self._built.set()
+            self._started.wait()
         try:
             self._serve()
         finally:

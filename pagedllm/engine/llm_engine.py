@@ -8,6 +8,7 @@ the changed requests into ``RequestOutput``s.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -79,6 +80,7 @@ class LLMEngine:
                  tokenizer: Any = None, checkpoint: Optional[tuple[LlamaConfig, dict]] = None) -> None:
         engine_args.verify()
         self.args = engine_args
+        self._built_on_thread = threading.get_ident()  # step() warns once if stepped elsewhere
         torch.manual_seed(engine_args.seed)
         tp_size = engine_args.tensor_parallel_size
         self._tp_workers: Optional[TensorParallelWorkers] = None
@@ -405,6 +407,11 @@ class LLMEngine:
         self._iteration = self._iteration_stats(scheduler_output, step_start)
         if scheduler_output.is_empty:
             return outputs
+        if self._built_on_thread is not None and threading.get_ident() != self._built_on_thread:
+            self._built_on_thread = None
+            logger.warning("this LLMEngine steps on another thread than the one that built it: torch's "
+                           "OpenMP then keeps two thread teams and steps run up to ~2x slower; build it "
+                           "on the thread that steps it (AsyncLLMEngine takes a function that builds it)")
         block_tables = {request.request_id: self.kv_cache_manager.get_block_ids(request.request_id)
                         for request, _ in scheduler_output.scheduled}
         # The samples of an n > 1 request fork (and get their first token) in this step.

@@ -63,10 +63,12 @@ class EngineReplica:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         torch.set_num_threads(num_threads)
         engine_args = EngineArgs.from_kwargs(**engine_kwargs)
-        engine = build_engine(engine_args, engine_factory)
-        metrics = EngineMetrics(served_model_name, engine.max_model_len, engine_args.max_num_seqs,
-                                engine_args.max_num_batched_tokens, log_interval=None)
-        self.engine = AsyncLLMEngine(engine, metrics, max_waiting_requests, request_timeout)
+        # Built on the engine thread, the one that steps it (AsyncLLMEngine: one OpenMP team).
+        self.engine = AsyncLLMEngine(lambda: build_engine(engine_args, engine_factory), None,
+                                     max_waiting_requests, request_timeout)
+        self.engine.metrics = EngineMetrics(served_model_name, self.engine.model_info.max_model_len,
+                                            engine_args.max_num_seqs, engine_args.max_num_batched_tokens,
+                                            log_interval=None)
         self.prefixes = PrefixIndex(min(self.engine.model_info.num_blocks, MAX_REPORTED_KEYS))
         self.pid = os.getpid()
         self.num_threads = num_threads

@@ -531,12 +531,13 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     api_key, api_keys = server_api_keys(args)
     check_port_free(args.host, args.port)  # before seconds of model loading, not after
     engine_args = EngineArgs.from_kwargs(**engine_kwargs)
-    engine = build_engine(engine_args, args.engine_factory)
     names = args.served_model_name or [args.model or Path(DEFAULT_MODEL_FILE).stem]
-    metrics = EngineMetrics(names[0], engine.max_model_len, engine_args.max_num_seqs,
-                            engine_args.max_num_batched_tokens)
     request_log = RequestLog(args.request_log) if getattr(args, "request_log", None) else None
-    async_engine = AsyncLLMEngine(engine, metrics, args.max_waiting_requests, args.request_timeout, request_log)
+    # Built on the engine thread, the one that steps it (AsyncLLMEngine: one OpenMP team).
+    async_engine = AsyncLLMEngine(lambda: build_engine(engine_args, args.engine_factory), None,
+                                  args.max_waiting_requests, args.request_timeout, request_log)
+    async_engine.metrics = EngineMetrics(names[0], async_engine.model_info.max_model_len,
+                                         engine_args.max_num_seqs, engine_args.max_num_batched_tokens)
     app = build_app(async_engine, names, api_key, model_root=str(args.model or DEFAULT_MODEL_FILE),
                     api_keys=api_keys, max_queue_wait=args.max_queue_wait,
                     enable_dashboard=not args.disable_dashboard)
