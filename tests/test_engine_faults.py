@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 import httpx
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestFailedError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker import model_runner
 from tests.conftest import make_tiny_engine, run_to_completion
 from tests.test_server import InThreadServer, idle, scrape, slowed, sse_events, wait_for_metrics
 
@@ -277,3 +279,27 @@ def test_async_engine_raises_what_building_raised_and_stops_cleanly_unstarted():
     engine.shutdown(timeout=30)
     assert not engine._thread.is_alive()
     assert engine.engine.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+def test_idle_async_engine_warms_the_kv_pool_and_still_serves():
+    params = SamplingParams(max_tokens=5, **GREEDY)
+
+    async def generate(engine: AsyncLLMEngine) -> list[int]:
+        outputs = [output async for output in await engine.add_request("a", [3, 4, 5], params)]
+        return outputs[-1].outputs[0].token_ids
+
+    for warm in (True, False):
+        engine = AsyncLLMEngine(lambda: make_tiny_engine(num_gpu_blocks_override=40_000), warm_kv_cache=warm)
+        runner = engine.engine.model_runner  # read here, only ever written by the engine thread
+        caches = runner.kv_caches
+        slices = len(caches) * 2 * -(-caches[0][0].numel() * caches[0][0].element_size() // model_runner.KV_WARM_SLICE)
+        engine.start()
+        try:
+            assert asyncio.run(generate(engine)) == greedy_alone([3, 4, 5], 5)
+            deadline = time.monotonic() + 60
+            while warm and runner._warmed < slices and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert runner._warmed == (slices if warm else 0)
+            assert asyncio.run(generate(engine)) == greedy_alone([3, 4, 5], 5)
+        finally:
+            engine.shutdown()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+
+import torch
 
 from pagedllm.worker import model_runner
 from tests.conftest import make_tiny_engine
@@ -55,3 +58,47 @@ def test_kv_pool_is_zeros_mapped_on_first_touch():
     assert float(pool[3].sum()) == 1.5 * pool[3].numel() and int(torch.count_nonzero(pool)) == pool[3].numel()
     assert _resident_kib(pool) < 8192
     assert model_runner._lazy_zeros((0, 16), torch.float32).numel() == 0
+
+
+def _resident_bytes(tensor, start: int, end: int) -> int:
+    """Bytes of ``[start, end)`` of ``tensor``'s memory in RAM, by ``mincore`` (whole pages)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = (tensor.data_ptr() + start) // page * page
+    pages = -(-(tensor.data_ptr() + end - first) // page)
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(pages * page), vector) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in vector) * page
+
+
+def test_warm_kv_cache_faults_the_pool_in_block_order_and_keeps_its_contents(monkeypatch):
+    """LLMEngine.warm_kv_cache (MADV_POPULATE_WRITE, slice by slice): every layer's K and V at
+    the lowest blocks first, then the next blocks; what is written stays; the byte counts add
+    up to the pool; where the OS cannot, it reports 0 and stops."""
+    engine = make_tiny_engine(num_gpu_blocks_override=40_000)  # 19.5 MiB per K or V cache
+    runner = engine.model_runner
+    regions = [cache for layer in runner.kv_caches for cache in layer]
+    size = regions[0].numel() * regions[0].element_size()
+    slice_bytes = model_runner.KV_WARM_SLICE
+    assert size > 8 * slice_bytes
+    regions[0][7].fill_(2.5)  # a block in use
+    regions[-1][-1].fill_(-1.0)  # the last block of the last region
+    tail = (4 * slice_bytes, size - 4 * slice_bytes)  # far from both ends
+    assert all(_resident_bytes(region, *tail) == 0 for region in regions)
+    assert engine.warm_kv_cache(len(regions) * slice_bytes) == len(regions) * slice_bytes
+    assert all(_resident_bytes(region, 0, slice_bytes) == slice_bytes for region in regions)
+    assert all(_resident_bytes(region, *tail) == 0 for region in regions)
+    total = len(regions) * slice_bytes
+    while (warmed := engine.warm_kv_cache(3 * 2**20)) > 0:
+        total += warmed
+    assert total == len(regions) * size
+    assert all(_resident_bytes(region, 0, size) == size for region in regions)
+    assert engine.warm_kv_cache(2**20) == 0
+    assert float(regions[0][7].sum()) == 2.5 * regions[0][7].numel()
+    assert float(regions[-1][-1].sum()) == -regions[-1][-1].numel()
+    assert sum(int(torch.count_nonzero(region)) for region in regions) == 2 * regions[0][7].numel()
+
+    fresh = make_tiny_engine()
+    monkeypatch.setattr(model_runner, "populate_for_write", lambda tensor, start, end: False)
+    assert fresh.warm_kv_cache(2**20) == 0 and fresh.warm_kv_cache(2**20) == 0

@@ -512,6 +512,16 @@ class LLMEngine:
             return ()
         return tuple(sorted(Counter(request.priority for request in self.scheduler.waiting).items()))
 
+    def warm_kv_cache(self, max_bytes: int) -> int:
+        """Fault in up to about ``max_bytes`` more of the KV pool ahead of use (``ModelRunner.
+        warm_kv_cache``: contents unchanged, block order); for idle time, as ``AsyncLLMEngine``
+        does. Under tensor parallelism only this process's ranks' share is warmed.
+
+        Returns:
+            Bytes made resident; 0 once the whole pool is (or the OS cannot).
+        """
+        return self.model_runner.warm_kv_cache(max_bytes)
+
     def make_kv_snapshot(self) -> KVCacheSnapshot:
         """A picture of the block pool: every block's state and owner, every queued
         sequence's block table, counters and the latest forks / copy-on-writes (see
