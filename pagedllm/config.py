@@ -74,6 +74,12 @@ class EngineArgs:
     max_num_batched_tokens: int = _option(
         2048, "most tokens computed per step; longer prompts are prefilled in chunks")
     enable_prefix_caching: bool = _option(True, "reuse KV blocks of identical prompt prefixes")
+    warm_kv_cache: bool = _option(
+        False, "fault the whole KV pool in at start-up, as vLLM's zeroed pool is, so that no step "
+               "takes its first-write page faults (a fresh block's first write faults in its "
+               "pages inside the step); start-up takes longer by the OS's first-touch time, from "
+               "~0.1 s per GiB on bare metal to ~8 s on a VM that backs memory lazily. Servers "
+               "warm the pool while idle without it")
     seed: int = _option(0, "seed of the global sampling generator")
     tensor_parallel_size: int = _option(
         1, "processes that each run 1/N of every layer (Megatron split: heads and MLP rows) and of "
@@ -211,6 +217,8 @@ class EngineArgs:
             self.enable_prefix_caching = True
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.warm_kv_cache, bool):
+            raise ValueError(f"warm_kv_cache must be True or False, got {self.warm_kv_cache!r}")
         tp_size = self.tensor_parallel_size
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")

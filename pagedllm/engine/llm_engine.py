@@ -165,6 +165,12 @@ class LLMEngine:
                                    engine_args.scheduling_policy, engine_args.priority_aging_interval)
         self.model_runner = ModelRunner(model, num_blocks, block_size, engine_args.seed, self.kv_cache_dtype,
                                         broadcast_steps=self._tp_workers is not None)
+        if engine_args.warm_kv_cache:
+            start, warmed = time.perf_counter(), 0
+            while (chunk := self.warm_kv_cache(64 << 20)) > 0:
+                warmed += chunk
+            logger.info("KV cache: %.0f MiB faulted in (warm_kv_cache) in %.1f s", warmed / 2**20,
+                        time.perf_counter() - start)
         # All ranks together: each holds its KV heads' share of every block.
         self.bytes_per_block = bytes_per_block(model, block_size, self.kv_cache_dtype) * engine_args.tensor_parallel_size
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%d tensor-parallel ranks); "
