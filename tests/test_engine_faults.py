@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from pagedllm.engine import async_engine
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestFailedError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
@@ -281,14 +282,21 @@ def test_async_engine_raises_what_building_raised_and_stops_cleanly_unstarted():
     assert engine.engine.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
-def test_idle_async_engine_warms_the_kv_pool_and_still_serves():
+def test_idle_async_engine_warms_the_kv_pool_and_still_serves(monkeypatch):
+    """Idle, the engine thread faults the whole pool in (unless told not to, or the machine has
+    under a tenth of its memory available); requests are served the same before and after."""
     params = SamplingParams(max_tokens=5, **GREEDY)
 
     async def generate(engine: AsyncLLMEngine) -> list[int]:
         outputs = [output async for output in await engine.add_request("a", [3, 4, 5], params)]
         return outputs[-1].outputs[0].token_ids
 
-    for warm in (True, False):
+    def short_of_memory() -> tuple[int, int]:
+        return 64 << 30, 6 << 30  # bytes: total, available
+
+    for warm, short, expect_warm in ((True, False, True), (False, False, False), (True, True, False)):
+        if short:
+            monkeypatch.setattr(async_engine, "machine_memory", short_of_memory)
         engine = AsyncLLMEngine(lambda: make_tiny_engine(num_gpu_blocks_override=40_000), warm_kv_cache=warm)
         runner = engine.engine.model_runner  # read here, only ever written by the engine thread
         caches = runner.kv_caches
@@ -297,9 +305,9 @@ def test_idle_async_engine_warms_the_kv_pool_and_still_serves():
         try:
             assert asyncio.run(generate(engine)) == greedy_alone([3, 4, 5], 5)
             deadline = time.monotonic() + 60
-            while warm and runner._warmed < slices and time.monotonic() < deadline:
+            while expect_warm and runner._warmed < slices and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert runner._warmed == (slices if warm else 0)
+            assert runner._warmed == (slices if expect_warm else 0)
             assert asyncio.run(generate(engine)) == greedy_alone([3, 4, 5], 5)
         finally:
             engine.shutdown()

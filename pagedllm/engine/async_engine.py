@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable, Optional, Union
 
+from pagedllm.config import machine_memory
 from pagedllm.engine.kv_snapshot import KVCacheSnapshot
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.request_log import RequestLog
@@ -234,7 +235,8 @@ class AsyncLLMEngine:
         warm_kv_cache: while no request runs, fault the KV pool in ahead of use
             (``LLMEngine.warm_kv_cache``, ``KV_WARM_BYTES`` between two looks at the queue),
             so that steps do not take those page faults; the whole pool ends up resident, as
-            vLLM's zeroed one is from start-up. A 2,048-token prefill on fresh blocks took
+            vLLM's zeroed one is from start-up, unless the machine runs short of memory first
+            (``_memory_to_spare``). A 2,048-token prefill on fresh blocks took
             1.4-1.6 s against 0.9 s on warm ones (bench/README.md, "Serving: one OpenMP team").
 
     Raises:
@@ -450,7 +452,8 @@ class AsyncLLMEngine:
                 if idle:
                     self._publish_kv_snapshot(due=True)  # the last picture before waiting
                     # Idle time warms the KV pool, a slice between two looks at the queue.
-                    warming = self.warm_kv_cache and engine.warm_kv_cache(KV_WARM_BYTES) > 0
+                    warming = (self.warm_kv_cache and _memory_to_spare()
+                               and engine.warm_kv_cache(KV_WARM_BYTES) > 0)
                 if not self._handle_commands(block=idle and not warming):
                     break
                 self._expire(time.monotonic())
@@ -622,6 +625,18 @@ def _resolve(future: asyncio.Future, error: Optional[BaseException]) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+def _memory_to_spare() -> bool:
+    """Whether idle KV warming may take more memory: the machine has more than a tenth of its
+    memory (and 1 GiB) available. Pools that only fit because most of them stays unused (two
+    servers each told a fraction of the whole machine) then never push it into swap or the
+    OOM killer."""
+    try:
+        total, available = machine_memory()
+    except (OSError, KeyError, ValueError):  # no /proc/meminfo
+        return False
+    return available > max(total // 10, 1 << 30)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:

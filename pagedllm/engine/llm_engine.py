@@ -521,7 +521,8 @@ class LLMEngine:
     def warm_kv_cache(self, max_bytes: int) -> int:
         """Fault in up to about ``max_bytes`` more of the KV pool ahead of use (``ModelRunner.
         warm_kv_cache``: contents unchanged, block order); for idle time, as ``AsyncLLMEngine``
-        does. Under tensor parallelism only this process's ranks' share is warmed.
+        does. Under tensor parallelism only rank 0's share is warmed here (with ``warm_kv_cache``
+        set, every rank warms its own at start).
 
         Returns:
             Bytes made resident; 0 once the whole pool is (or the OS cannot).

@@ -324,6 +324,8 @@ def _worker_main(rank: int, port: int, args: EngineArgs, checkpoint: Optional[tu
         num_blocks = _broadcast_int(0)
         runner = ModelRunner(model, num_blocks, args.block_size, args.seed,
                              args.kv_cache_torch_dtype(model.dtype))
+        while args.warm_kv_cache and runner.warm_kv_cache(64 << 20) > 0:
+            pass  # this rank's share of the pool, as rank 0 does in LLMEngine
         dist.barrier(group=parallel_state.control_group())
         with torch.inference_mode():
             while (step := receive_step()) is not None:
