@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 import time
 
@@ -311,3 +312,26 @@ def test_idle_async_engine_warms_the_kv_pool_and_still_serves(monkeypatch):
             assert asyncio.run(generate(engine)) == greedy_alone([3, 4, 5], 5)
         finally:
             engine.shutdown()
+
+
+def test_ctrl_c_while_the_engine_thread_builds_waits_for_it_then_raises():
+    """A KeyboardInterrupt in the constructor's wait must not leave the engine thread inside
+    the model's C++ code while the interpreter exits (that aborted the process): the
+    constructor lets the build finish, stops the thread, then raises."""
+    built = []
+
+    def slow_build() -> LLMEngine:
+        time.sleep(1.0)
+        built.append(make_tiny_engine())
+        return built[-1]
+
+    before = set(threading.enumerate())
+    timer = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            AsyncLLMEngine(slow_build)
+    finally:
+        timer.cancel()
+    assert len(built) == 1
+    assert not [thread for thread in set(threading.enumerate()) - before if thread.name == "pagedllm-engine"]

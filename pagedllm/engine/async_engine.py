@@ -280,10 +280,18 @@ class AsyncLLMEngine:
             self._build, self._build_error = engine, None
             self._built, self._started = threading.Event(), threading.Event()
             self._thread.start()
-            self._built.wait()
+            interrupted = False
+            while not self._built.is_set():
+                try:
+                    self._built.wait()
+                except KeyboardInterrupt:  # Ctrl-C while it loads: that thread cannot be
+                    interrupted = True  # interrupted; exiting under it aborts the process
             if self._build_error is not None:
                 self._thread.join()
                 raise self._build_error
+            if interrupted:
+                self.shutdown()
+                raise KeyboardInterrupt
 
     def _adopt(self, engine: LLMEngine) -> None:
         self.engine = engine
