@@ -326,6 +326,8 @@ def test_ctrl_c_while_the_engine_thread_builds_waits_for_it_then_raises():
         return built[-1]
 
     before = set(threading.enumerate())
+    # Python's own Ctrl-C handler, whatever an earlier test (Ray, uvicorn) installed.
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     timer.start()
     try:
@@ -333,5 +335,6 @@ def test_ctrl_c_while_the_engine_thread_builds_waits_for_it_then_raises():
             AsyncLLMEngine(slow_build)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, handler)
     assert len(built) == 1
     assert not [thread for thread in set(threading.enumerate()) - before if thread.name == "pagedllm-engine"]
