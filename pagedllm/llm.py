@@ -122,7 +122,8 @@ class LLM:
         """Token ids of a conversation through the chat template (special tokens added once).
 
         Raises:
-            ValueError: an empty conversation or a malformed message.
+            ValueError: an empty conversation, a malformed message, or text too long for
+                ``max_model_len`` (refused before it is tokenized).
         """
         if not conversation:
             raise ValueError("a conversation is empty: give at least one {'role', 'content'} message")
@@ -134,7 +135,7 @@ class LLM:
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return self.llm_engine.input_processor.encode(text, "messages", add_special_tokens=False)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:

@@ -4,7 +4,11 @@ Tokenization and every admission check that needs no engine state beyond the mod
 facts (``ModelInfo``): prompt forms, UTF-8, the vocabulary, ``max_model_len``, ``max_tokens``,
 ``n`` and the pool's size. The engine, beam search and the HTTP server all go through it, so a
 check and its message exist once. It holds no mutable state: any thread may use it (the server
-tokenizes with it on the event loop thread).
+tokenizes with it in worker threads, off the event loop).
+
+Text is measured before it is tokenized: a text too long for ``max_model_len`` whatever the
+tokenizer does is refused at once (``token_span.py``), so a huge prompt costs neither the
+tokenizing time nor its memory.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Container, Optional, Union
 
 from pagedllm.engine.stats import ModelInfo
+from pagedllm.engine.token_span import token_span
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import CompiledGrammar
 from pagedllm.utils import cdiv, check_utf8
@@ -58,6 +63,7 @@ class InputProcessor:
     def __init__(self, model_info: ModelInfo) -> None:
         self.model_info = model_info
         self.tokenizer = model_info.tokenizer
+        self.token_span = token_span(self.tokenizer)
 
     def process(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                 arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
@@ -110,7 +116,8 @@ class InputProcessor:
         ``prompt_token_ids`` (and optionally ``prompt``) or ``prompt``.
 
         Raises:
-            ValueError: another type, a dict with neither key, text that is not UTF-8, or text
+            ValueError: another type, a dict with neither key, text too long for
+                ``max_model_len`` (see ``check_text_length``), text that is not UTF-8, or text
                 without a tokenizer.
         """
         if isinstance(prompt, dict):
@@ -124,21 +131,38 @@ class InputProcessor:
             return None, list(prompt)
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-        check_utf8(prompt)
-        if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer: give prompt_token_ids")
-        return prompt, self.tokenizer.encode(prompt)
+        return prompt, self.encode(prompt)
 
     def encode(self, text: str, what: str = "prompt", **kwargs: Any) -> list[int]:
-        """``text`` through the tokenizer (``kwargs`` go to ``encode``).
+        """``text`` (a prompt) through the tokenizer (``kwargs`` go to ``encode``).
 
         Raises:
-            ValueError: text that is not valid UTF-8 (naming ``what``), or no tokenizer.
+            ValueError: text too long for ``max_model_len`` (see ``check_text_length``), text
+                that is not valid UTF-8 (naming ``what``), or no tokenizer.
         """
+        self.check_text_length(text, what)
         check_utf8(text, what)
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer: give prompt_token_ids")
         return self.tokenizer.encode(text, **kwargs)
+
+    def check_text_length(self, text: str, what: str = "prompt") -> None:
+        """Refuse, without tokenizing, a prompt text that has more tokens than ``max_model_len``
+        leaves room for, whatever the tokenizer does (``TokenSpan.min_tokens``; nothing is
+        refused without a tokenizer to measure).
+
+        Raises:
+            ValueError: naming the text's length, the tokens it has at least and the limit.
+        """
+        if self.token_span is None:
+            return
+        max_model_len = self.model_info.max_model_len
+        min_tokens, length = self.token_span.min_tokens(text, max_model_len - 1)
+        if min_tokens + 1 > max_model_len:
+            raise ValueError(f"the {what} text has {length}, so at least {min_tokens} tokens "
+                             f"({self.token_span.describe()}), but max_model_len is {max_model_len}"
+                             f"{self._capacity_note()} and at least one token must be generated: the "
+                             f"prompt may have at most {max_model_len - 1} tokens")
 
     def check_prompt_token_ids(self, prompt_token_ids: list[int]) -> None:
         """Raises: ValueError for an empty prompt or a token id outside the vocabulary."""

@@ -385,9 +385,9 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str], api_key: 
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError(400, "give exactly one of prompt or messages")
         if request.messages is not None:
-            _, tokens = chat.render(request.messages, request.add_generation_prompt)
+            _, tokens = await asyncio.to_thread(chat.render, request.messages, request.add_generation_prompt)
         else:
-            tokens = completions.encode_text(request.prompt, "prompt",
+            tokens = await asyncio.to_thread(completions.encode_text, request.prompt, "prompt",
                                              add_special_tokens=request.add_special_tokens)
         return {"count": len(tokens), "max_model_len": model_info.max_model_len, "tokens": tokens}
 

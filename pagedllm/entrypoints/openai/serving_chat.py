@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator, Optional, Sequence
 
 from fastapi import Request
@@ -29,7 +30,8 @@ class OpenAIServingChat(OpenAIServing):
                continue_final_message: bool = False,
                tools: Optional[list[dict]] = None) -> tuple[str, list[int]]:
         """The conversation as template text and its token ids; ``tools`` go to templates that
-        take them (Qwen2.5's lists them in its system prompt; others ignore them).
+        take them (Qwen2.5's lists them in its system prompt; others ignore them). Blocks for
+        as long as the template and the tokenizer take: handlers call it in a worker thread.
 
         Raises:
             OpenAIError 400: no tokenizer or chat template, or the template refused the messages.
@@ -65,9 +67,9 @@ class OpenAIServingChat(OpenAIServing):
             raise sampling_params_error(exc) from exc
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
-        text, token_ids = self.render(request.messages, request.add_generation_prompt,
-                                      request.continue_final_message,
-                                      request.tools if mode != "none" else None)
+        text, token_ids = await asyncio.to_thread(self.render, request.messages, request.add_generation_prompt,
+                                                  request.continue_final_message,
+                                                  request.tools if mode != "none" else None)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None

@@ -223,7 +223,7 @@ class OpenAIServing:
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]
         self.tokenizer = engine.model_info.tokenizer
-        # Stateless over the fixed model info: this thread tokenizes as the engine would.
+        # Stateless over the fixed model info: worker threads tokenize as the engine would.
         self.input_processor = InputProcessor(engine.model_info)
         self.max_model_len = engine.model_info.max_model_len
         self.policy = policy or ServerPolicy(RateLimiter([]), RequestRegistry())
@@ -246,10 +246,12 @@ class OpenAIServing:
                               param="stream_options")
 
     def encode_text(self, text: str, param: str, **kwargs: Any) -> list[int]:
-        """``text`` through the tokenizer (``kwargs`` go to ``encode``).
+        """``text`` through the tokenizer (``kwargs`` go to ``encode``). Blocks for as long as
+        the tokenizer takes: handlers call it in a worker thread.
 
         Raises:
-            OpenAIError 400: no tokenizer, or text that is not valid UTF-8 (a lone surrogate).
+            OpenAIError 400: no tokenizer, text too long for ``max_model_len`` (refused before
+                it is tokenized), or text that is not valid UTF-8 (a lone surrogate).
         """
         self.require_tokenizer("tokenize")
         try:
@@ -275,6 +277,25 @@ class OpenAIServing:
             raise OpenAIError(400, f"priority {requested} is more urgent than API key {key.name!r} may ask "
                                    f"for: its requests may use priority >= {floor}", param="priority")
         return requested
+
+    async def tokenize_prompts(self, prompts: Sequence[PromptType]) -> list[PromptType]:
+        """Text prompts as ``{"prompt", "prompt_token_ids"}``, tokenized in a worker thread:
+        neither the event loop (every other request) nor the engine thread (every running
+        sequence) waits for a long prompt's tokenizer. Token id prompts pass as they are.
+
+        Raises:
+            OpenAIError 400: a prompt the engine would refuse for its form, length or encoding.
+        """
+        if not any(isinstance(prompt, str) for prompt in prompts):
+            return list(prompts)
+
+        def tokenize_all() -> list[PromptType]:
+            return [{"prompt": prompt, "prompt_token_ids": self.input_processor.tokenize(prompt)[1]}
+                    if isinstance(prompt, str) else prompt for prompt in prompts]
+        try:
+            return await asyncio.to_thread(tokenize_all)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc)) from exc
 
     def request_cost(self, prompts: Sequence[PromptType], params: SamplingParams) -> int:
         """Tokens a request reserves: over its prompts, ``prompt tokens + n * max_tokens``
@@ -320,8 +341,9 @@ class OpenAIServing:
                      priority: Optional[int]) -> Submission:
         """Admit a request and add one engine request per prompt, all or none.
 
-        In order: the key's priority rule (400), its rate limits (429), overload protection
-        (503), then the engine (400, 429 queue full, 503 draining or dead). The response id is
+        In order: the key's priority rule (400), the text prompts' tokenization (400, see
+        ``tokenize_prompts``), its rate limits (429), overload protection (503), then the engine
+        (400, 429 queue full, 503 draining or dead). The response id is
         ``{prefix}-{X-Request-Id}`` (vLLM's form); engine ids are ``{key name}/{uuid}-{i}``,
         never derived from the client's id, so no client can name or collide with another's.
 
@@ -330,6 +352,7 @@ class OpenAIServing:
         """
         context = client_context(raw_request)
         priority = self.resolve_priority(priority, context.key)
+        prompts = await self.tokenize_prompts(prompts)
         limiter = self.policy.limiter
         cost = self.request_cost(prompts, params) if limiter.counts_tokens(context.key) else 0
         try:
