@@ -328,7 +328,7 @@ class CoreStateMachine(RuleBasedStateMachine):
         """Every block is either free (empty or cached-free) or in use, never both or neither;
         also the pool's own ``check_invariants``."""
         in_use = sum(1 for block in self.pool.blocks if block.ref_count > 0)
-        assert len(self.pool._free) + in_use == self.pool.num_blocks
+        assert len(self.pool.free_block_ids()) + in_use == self.pool.num_blocks
         assert self.pool.num_free_blocks + self.pool.num_used_blocks == self.pool.num_blocks
         self.pool.check_invariants()
 
@@ -345,7 +345,7 @@ class CoreStateMachine(RuleBasedStateMachine):
     def no_referenced_block_is_free(self) -> None:
         """A block with ``ref_count > 0`` is never on the free queue (allocate would hand it to a
         second owner), and every free block has ``ref_count == 0``."""
-        for block_id in self.pool._free:
+        for block_id in self.pool.free_block_ids():
             assert self.pool.blocks[block_id].ref_count == 0, self.pool.blocks[block_id]
 
     def ref_counts_equal_table_holders(self) -> None:
@@ -369,7 +369,7 @@ class CoreStateMachine(RuleBasedStateMachine):
         assert set(self.kv._requests) == set(live)
         for table in self.kv.req_to_blocks.values():
             for block in table:
-                assert block.ref_count > 0 and block.block_id not in self.pool._free, block
+                assert block.ref_count > 0 and block.block_id not in self.pool.free_block_ids(), block
 
     def tables_cover_computed_tokens(self) -> None:
         """Between steps a sequence's table holds exactly the blocks of its computed tokens:

@@ -215,3 +215,42 @@ def test_block_pool_evicts_least_recently_freed_and_revives_hits():
     pool.check_invariants()
     stats = pool.get_stats()
     assert (stats.num_used_blocks, stats.num_cached_free_blocks, stats.num_empty_free_blocks) == (3, 1, 0)
+
+
+def test_block_pool_hands_out_freed_uncached_blocks_first_and_evicts_cached_ones_last():
+    """A freed block without cached content is reused before a never-used block (warm pages,
+    no first-touch fault) and before any cached block is evicted; most recently freed first."""
+    pool = BlockPool(6)
+    blocks = pool.allocate(4)
+    assert [block.block_id for block in blocks] == [0, 1, 2, 3]
+    assert pool.cache_block(blocks[0], BlockHash(0, (0,), ()), None)
+    pool.free(blocks)  # 0 cached-free (back of the queue); 1, 2, 3 recycled
+    assert pool.free_block_ids() == [3, 2, 1, 4, 5, 0]
+    assert [block.block_id for block in pool.allocate(4)] == [3, 2, 1, 4]
+    assert pool.get_cached_block(BlockHash(0, (0,), ()), None) is blocks[0] and pool.num_evictions == 0
+    pool.reset_prefix_cache()  # block 0, free and now without content, is recycled too
+    assert pool.free_block_ids() == [0, 5]
+    pool.check_invariants()
+    stats = pool.get_stats()
+    assert (stats.num_used_blocks, stats.num_cached_free_blocks, stats.num_empty_free_blocks) == (4, 0, 2)
+
+
+def test_engine_without_prefix_caching_reuses_the_same_blocks_request_after_request():
+    """One request at a time, prefix caching off: every request runs in the blocks the one
+    before it freed, so the pool's untouched blocks stay untouched (and unmapped)."""
+    engine = make_tiny_engine(enable_prefix_caching=False)
+    pool = engine.kv_cache_manager.block_pool
+    rng = random.Random(0)
+    seen: set[int] = set()
+    original_allocate = pool.allocate
+
+    def allocate(count):
+        taken = original_allocate(count)
+        seen.update(block.block_id for block in taken)
+        return taken
+
+    pool.allocate = allocate
+    for index in range(5):
+        run(engine, {f"r{index}": tokens(rng, 3 * BLOCK)})
+    # 12 prompt + 6 new tokens need 5 blocks of 4 (the last token's K/V is never written).
+    assert len(seen) == 5 and pool.num_free_blocks == pool.num_blocks

@@ -101,6 +101,14 @@ class BlockPool:
     from the middle, all in O(1) (vLLM uses a doubly linked list for the same). Freed blocks
     keep their cached contents, so eviction is least-recently-freed first.
 
+    A freed block that holds no cached content (prefix caching off, or a request's partial
+    last block) has nothing worth keeping: it goes on a stack of recycled blocks that
+    ``allocate`` takes from first, most recently freed first. Such a block is warm (its pages
+    are mapped and its lines may still be in cache, where a never-used block of the lazily
+    mapped pool costs page faults on first write), and cached blocks are evicted only once no
+    recycled block is left. (vLLM queues every freed block behind the others; its pool is
+    zero-filled up front.)
+
     Args:
         num_blocks: total number of blocks in the pool (>= 1).
     """
@@ -110,7 +118,8 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # never used, or cached-free
+        self._recycled: list[int] = []  # freed without cached content; taken from the end
         self._cached: dict[int, KVCacheBlock] = {}
         self._next_cache_id = itertools.count()
         self.num_evictions = 0
@@ -118,26 +127,34 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that ``allocate`` can hand out (empty or cached-free)."""
-        return len(self._free)
+        return len(self._free) + len(self._recycled)
+
+    def free_block_ids(self) -> list[int]:
+        """Ids of the free blocks in the order ``allocate`` hands them out; O(num free)."""
+        return self._recycled[::-1] + list(self._free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     def allocate(self, count: int) -> list[KVCacheBlock]:
-        """Take ``count`` blocks from the front of the free queue, each with ref_count 1.
+        """Take ``count`` blocks, each with ref_count 1: recycled blocks first (the most
+        recently freed first), then from the front of the free queue.
 
         A cached-free block taken this way is evicted: it leaves the prefix cache.
 
         Raises:
             ValueError: if fewer than ``count`` blocks are free (callers check first).
         """
-        if count > len(self._free):
-            raise ValueError(f"cannot allocate {count} blocks: only {len(self._free)} free")
+        if count > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {count} blocks: only {self.num_free_blocks} free")
         taken = []
         for _ in range(count):
-            block_id = next(iter(self._free))
-            del self._free[block_id]
+            if self._recycled:
+                block_id = self._recycled.pop()
+            else:
+                block_id = next(iter(self._free))
+                del self._free[block_id]
             block = self.blocks[block_id]
             assert block.ref_count == 0, block
             if block.cache_id is not None:
@@ -152,17 +169,24 @@ class BlockPool:
         leaves the free queue."""
         for block in blocks:
             if block.ref_count == 0:
-                del self._free[block.block_id]
+                if block.block_id in self._free:
+                    del self._free[block.block_id]
+                else:  # not reached by the engine (only cached blocks are hit when free)
+                    self._recycled.remove(block.block_id)
             block.ref_count += 1
 
     def free(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 go to the back of the queue,
-        keeping their cached contents until evicted."""
+        keeping their cached contents until evicted, or, holding none, onto the recycled
+        stack. Blocks are freed in the order given, so the last one is allocated first."""
         for block in blocks:
             assert block.ref_count > 0, f"double free of {block}"
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free[block.block_id] = None
+                if block.cache_id is None:
+                    self._recycled.append(block.block_id)
+                else:
+                    self._free[block.block_id] = None
 
     # ----------------------------------------------------------------------------- prefix cache
     def get_cached_block(self, block_hash: BlockHash,
@@ -206,6 +230,9 @@ class BlockPool:
         owners; they are just no longer offered to new requests."""
         for block in list(self._cached.values()):
             self._uncache(block)
+            if block.ref_count == 0:  # now free without content: recycled like any such block
+                del self._free[block.block_id]
+                self._recycled.append(block.block_id)
 
     def _uncache(self, block: KVCacheBlock) -> None:
         del self._cached[block.block_hash.value]
@@ -224,11 +251,12 @@ class BlockPool:
     def get_stats(self) -> BlockPoolStats:
         """Count the blocks by state; O(num_blocks)."""
         cached_free = sum(1 for block_id in self._free if self.blocks[block_id].cache_id is not None)
+        free = self.num_free_blocks
         return BlockPoolStats(
             num_blocks=self.num_blocks,
             num_used_blocks=self.num_used_blocks,
             num_cached_free_blocks=cached_free,
-            num_empty_free_blocks=len(self._free) - cached_free,
+            num_empty_free_blocks=free - cached_free,
             num_shared_blocks=sum(1 for block in self.blocks if block.ref_count > 1),
             num_evictions=self.num_evictions,
         )
@@ -236,9 +264,12 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Assert the pool invariants; O(num_blocks), for tests and debugging."""
         assert self.num_free_blocks + self.num_used_blocks == self.num_blocks
+        recycled = set(self._recycled)
+        assert len(recycled) == len(self._recycled) and not recycled & self._free.keys()
         for block in self.blocks:
-            in_free = block.block_id in self._free
+            in_free = block.block_id in self._free or block.block_id in recycled
             assert in_free == (block.ref_count == 0), block
+            assert block.block_id not in recycled or block.cache_id is None, block
             assert block.ref_count >= 0, block
             if block.cache_id is None:
                 assert block.block_hash is None and block.parent_cache_id is None, block
