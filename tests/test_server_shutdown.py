@@ -1,5 +1,5 @@
 """SIGTERM drains a real ``pagedllm serve`` process: open requests finish or get a terminal
-error, new ones get 503, and the process exits with status 0."""
+error, new ones get 503, and the process exits with status 0; no open stream holds the exit up."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
@@ -24,6 +25,91 @@ def slow_tiny_engine(engine_args: EngineArgs) -> LLMEngine:
     import torch
     return slowed(LLMEngine(engine_args, model=_tiny_model(torch.float32, 0), tokenizer=None),
                   STEP_SECONDS)
+
+
+def serve_slow_tiny(tmp_path, *args: str) -> ServerProcess:
+    """A ready server over ``slow_tiny_engine`` that takes SIGINT as Python does by default: a
+    child inherits an ignored SIGINT, and an earlier test may have left this process so."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        server = ServerProcess("--engine-factory", "tests.test_server_shutdown:slow_tiny_engine",
+                               "--max-model-len", "256", "--block-size", "4",
+                               "--kv-cache-memory-bytes", str(2**20), *args, log_path=tmp_path / "server.log")
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    return server.wait_ready()
+
+
+# Bounds on how soon a signal ends the open streams, not on the exit: the process's own
+# teardown (torch's alone is 0.7 s) took 1.4 s on an idle 2-core machine and 4.5 s on a busy one.
+# uvicorn's graceful shutdown waited 5 s for a stream before cancelling it.
+STREAM_END_SECONDS = 3
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_open_kv_stream_ends_at_once_on_shutdown(tmp_path, sig):
+    # The live view's stream is endless: uvicorn waited for it for its whole graceful timeout,
+    # then cancelled it with a traceback (the process took 6.7 s to exit with the default model).
+    server = serve_slow_tiny(tmp_path)
+    events: list = []
+    first_event = threading.Event()
+    ended_at: list[float] = []
+
+    def watch() -> None:
+        with httpx.stream("GET", server.url + "/debug/kv/stream", timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[len("data: "):]))
+                    first_event.set()
+        ended_at.append(time.monotonic())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        watcher.start()
+        assert first_event.wait(30)
+        signalled_at = time.monotonic()
+        server.proc.send_signal(sig)
+        watcher.join(30)
+        assert ended_at and ended_at[0] - signalled_at < STREAM_END_SECONDS
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+    assert events[0]["num_blocks"] > 0
+    assert "Traceback" not in (tmp_path / "server.log").read_text()
+
+
+def test_a_second_sigint_ends_the_drain_at_once_quietly(tmp_path):
+    # 250 tokens at >= STEP_SECONDS a step outlast the test's waits, and the drain's 60 s.
+    server = serve_slow_tiny(tmp_path, "--drain-timeout", "60")
+    results: dict[str, list] = {}
+    ended_at: list[float] = []
+
+    def stream() -> None:
+        body = {"prompt": [1, 2, 3], "max_tokens": 250, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            results["long"] = sse_events(response.iter_lines())
+        ended_at.append(time.monotonic())
+
+    client = threading.Thread(target=stream, daemon=True)
+    try:
+        client.start()
+        wait_for_metrics(server.url, lambda v: v["pagedllm:num_requests_running"] == 1, timeout=30)
+        server.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while httpx.get(server.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert not ended_at  # draining: the request still runs
+        signalled_at = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        client.join(30)
+        assert ended_at and ended_at[0] - signalled_at < STREAM_END_SECONDS
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+    long = results["long"]
+    assert long[-1] == "[DONE]" and long[-2]["error"]["code"] == 503 and "drain" in long[-2]["error"]["message"]
+    assert "Traceback" not in (tmp_path / "server.log").read_text()
 
 
 def test_sigterm_drains_then_exits_0(tmp_path):

@@ -35,7 +35,8 @@ Failure modes:
 - any other exception from ``engine.step()`` kills the loop: every open stream gets
   ``EngineDeadError``, later requests fail at once with it, and ``is_healthy`` turns False;
 - ``request_timeout`` aborts a request that has run that long (``RequestTimeoutError``);
-- ``drain()`` waits for open requests, then aborts the rest (``EngineDrainingError``).
+- ``drain()`` waits for open requests, then aborts the rest (``EngineDrainingError``); the
+  ``subscribe_kv()`` streams end at once.
 """
 
 from __future__ import annotations
@@ -382,7 +383,8 @@ class AsyncLLMEngine:
         """Block-pool snapshots for a live view: a fresh one at once, then each newer one the
         engine thread publishes (at most one per ``kv_snapshot_interval`` while it steps, and
         one when it goes idle; nothing while nothing changes). While any subscriber iterates,
-        the engine thread takes them; when the last one stops, it stops.
+        the engine thread takes them; when the last one stops, it stops. It ends when the
+        engine drains: an endless stream would hold the server's shutdown up.
 
         Raises:
             EngineDeadError: the engine loop is not running.
@@ -390,9 +392,10 @@ class AsyncLLMEngine:
         self._kv_subscribers += 1
         try:
             snapshot = await self.get_kv_snapshot()
-            while True:
+            while not self.draining:
                 yield snapshot
-                while self.kv_snapshot is None or self.kv_snapshot.version <= snapshot.version:
+                while not self.draining and (self.kv_snapshot is None or
+                                             self.kv_snapshot.version <= snapshot.version):
                     if not self.is_healthy:
                         raise EngineDeadError(f"the engine loop is not running ({self.dead_error!r})")
                     await asyncio.sleep(self.kv_snapshot_interval / 2)
@@ -407,7 +410,8 @@ class AsyncLLMEngine:
 
     async def drain(self, timeout: float) -> int:
         """Refuse new requests, let open ones finish for up to ``timeout`` seconds, then abort
-        the rest (their streams raise ``EngineDrainingError``).
+        the rest (their streams raise ``EngineDrainingError``); ``subscribe_kv`` streams end at
+        once.
 
         Returns:
             How many requests were aborted.

@@ -31,7 +31,7 @@ FastAPI's and Starlette's own (404 path, 405 method, a body that is not JSON): n
 Shutdown (SIGTERM or SIGINT): the server keeps listening but answers new requests and
 ``/health`` with 503, lets open requests run for up to ``--drain-timeout`` seconds, ends the
 rest with a terminal error (an SSE error event, or a 503 JSON body), then exits with status 0.
-A second signal exits at once.
+The live KV view's streams end at once. A second signal ends the drain at once.
 """
 
 from __future__ import annotations
@@ -446,30 +446,32 @@ def _add_dashboard_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
 class DrainingServer(uvicorn.Server):
     """``uvicorn.Server`` whose first SIGTERM/SIGINT drains the engine before exiting (with
     status 0: uvicorn re-raises the signals it handled itself, which would end the process
-    with -15); a second signal falls back to uvicorn's immediate shutdown."""
+    with -15). A second signal ends the drain at once: the open requests are aborted, so their
+    responses end with an error and leave uvicorn no task to cancel (it would log each one's
+    ``CancelledError`` traceback). A later signal is uvicorn's own (a SIGINT after the drain
+    quits without waiting for connections)."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout: float) -> None:
         super().__init__(config)
         self.engine = engine
-        self.drain_timeout = drain_timeout
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._draining = False
+        self._drain_timeouts = [drain_timeout, 0.0]  # the first signal's drain, then the second's
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self._draining or self._loop is None:
+        if self.should_exit or self._loop is None or not self._drain_timeouts:
             super().handle_exit(sig, frame)
             return
-        self._draining = True
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+        timeout = self._drain_timeouts.pop(0)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain(timeout)))
 
-    async def _drain(self) -> None:
+    async def _drain(self, timeout: float) -> None:
         logger.warning("shutting down: draining %d open requests for up to %g s",
-                       self.engine.num_open_requests, self.drain_timeout)
-        aborted = await self.engine.drain(self.drain_timeout)
+                       self.engine.num_open_requests, timeout)
+        aborted = await self.engine.drain(timeout)
         if aborted:
             logger.warning("aborted %d requests still open at the end of the drain", aborted)
         self.should_exit = True
