@@ -50,27 +50,44 @@ class CompiledGrammar:
     def __init__(self, key: tuple[str, str], matcher: Any) -> None:
         self.key = key
         self._matcher = matcher
+        self.broken = False  # a state of it failed: its copies share the failed lexer
 
     def new_state(self) -> "GrammarState":
         """A fresh per-sequence state at the start of the constraint."""
-        return GrammarState(self._matcher.deep_copy())
+        return GrammarState(self._matcher.deep_copy(), self)
 
 
 class GrammarState:
-    """One sequence's position in its constraint (an llguidance ``LLMatcher``)."""
+    """One sequence's position in its constraint (an llguidance ``LLMatcher``).
 
-    def __init__(self, matcher: Any) -> None:
+    llguidance builds the lexer of a regex lazily, while masks are computed, and gives up past
+    its limits ("too many expressions constructed", e.g. ``a{1000}{1000}``): the matcher is then
+    in error and allows only EOS. Such a sequence must end as an error, not as a completed
+    constraint, and the grammar must be compiled afresh for the next request (copies of a
+    matcher share its lexer, so every later state of it starts in error).
+    """
+
+    def __init__(self, matcher: Any, grammar: CompiledGrammar) -> None:
         self.matcher = matcher
+        self.grammar = grammar
 
     def accept_token(self, token_id: int) -> bool:
-        """Advance over a sampled token; False if the constraint forbids it (the state is then
-        in error and accepts nothing more)."""
-        return self.matcher.consume_token(token_id)
+        """Advance over a sampled token; False if the constraint forbids it or its matcher is
+        in error (the state then accepts nothing more; ``error`` says why)."""
+        return self.matcher.consume_token(token_id) and self.error is None
+
+    @property
+    def error(self) -> "str | None":
+        """llguidance's message when the matcher failed (and its grammar is marked broken)."""
+        if not self.matcher.is_error():
+            return None
+        self.grammar.broken = True
+        return self.matcher.get_error().strip().splitlines()[0]
 
     @property
     def is_terminated(self) -> bool:
         """True when the constraint is complete and allows no further token."""
-        return self.matcher.is_stopped()
+        return self.matcher.is_stopped() and not self.matcher.is_error()
 
     def fork(self, num_rollback: int = 0) -> "GrammarState":
         """A copy for another sequence (beam search's ``fork_request``), with the last
@@ -78,7 +95,7 @@ class GrammarState:
         matcher = self.matcher.deep_copy()
         if num_rollback:
             matcher.rollback(num_rollback)
-        return GrammarState(matcher)
+        return GrammarState(matcher, self.grammar)
 
 
 class GrammarCompiler:
@@ -113,7 +130,7 @@ class GrammarCompiler:
         key = params.key
         with self._lock:
             compiled = self._cache.get(key)
-            if compiled is not None:
+            if compiled is not None and not compiled.broken:
                 self._cache.move_to_end(key)
                 return compiled
             if self._ll_tokenizer is None:

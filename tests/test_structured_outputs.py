@@ -214,6 +214,30 @@ def test_max_tokens_ends_with_length_and_a_valid_prefix():
     assert accepted_by_fresh_matcher(engine, so, completion.token_ids)
 
 
+def test_a_grammar_llguidance_gives_up_on_ends_as_an_error_every_time(caplog):
+    """``a{1000}{1000}`` compiles, but llguidance's lazy lexer gives up after the first token
+    ("too many expressions constructed") and then allows only EOS; its copies share that lexer.
+    Before: the first request ended "error" with no message, the next ones "stop" with empty
+    text that does not match. Now each ends "error" with the reason logged (the grammar is
+    compiled afresh), and a good constraint on the same engine still works."""
+    engine = shared_engine()
+    so = StructuredOutputsParams(regex="a{1000}{1000}")
+    for attempt in range(3):
+        engine.add_request(f"r{attempt}", "Hello", SamplingParams(temperature=0, max_tokens=6, structured_outputs=so))
+        with caplog.at_level("WARNING", logger="pagedllm.core.scheduler"):
+            completion = run_to_completion(engine)[f"r{attempt}"].outputs[0]
+        assert completion.finish_reason == "error", (attempt, completion)
+        assert set(completion.text) <= {"a"}
+        assert "too many expressions" in caplog.text
+        caplog.clear()
+    engine.add_request("ok", "Hello", SamplingParams(temperature=0, max_tokens=8,
+                                                     structured_outputs=StructuredOutputsParams(regex="[0-9]{3}")))
+    completion = run_to_completion(engine)["ok"].outputs[0]
+    assert completion.finish_reason == "stop" and re.fullmatch("[0-9]{3}", completion.text)
+    engine.kv_cache_manager.block_pool.check_invariants()
+    assert engine.kv_cache_manager.block_pool.num_free_blocks == engine.kv_cache_manager.block_pool.num_blocks
+
+
 def test_stop_strings_still_end_a_constrained_request():
     engine = shared_engine()
     so = compact_json(PERSON)

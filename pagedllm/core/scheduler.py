@@ -7,6 +7,7 @@ the KV cache manager's business; tensors are the model runner's.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from typing import Callable, Iterable, Optional
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -289,8 +292,11 @@ class Scheduler:
     def _append_token(self, request: Request, token_id: int, finished: list[Request]) -> None:
         request.output_token_ids.append(token_id)
         if request.grammar is not None and not request.grammar.accept_token(token_id):
-            # Only reachable when other masks overrode the grammar's (a row whose every
-            # token was masked keeps its raw logits): end it rather than emit invalid output.
+            # Reached when other masks overrode the grammar's (a row whose every token was
+            # masked keeps its raw logits), or when llguidance gave up on the grammar: end it
+            # rather than emit invalid output.
+            logger.warning("request %s: structured output failed (%s): finished with an error",
+                           request.request_id, request.grammar.error or f"token {token_id} not allowed")
             status: Optional[RequestStatus] = RequestStatus.FINISHED_ERROR
         else:
             status = self._check_stop(request, token_id)
