@@ -123,6 +123,18 @@ def test_hostile_inputs_are_400_and_never_kill_the_engine(tiny_server, body):
     assert ok.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize("prompt", [[[1, 2], [3], []], [[1, 2], [3], [10**6]], [[1, 2], [3] * 200]])
+def test_a_bad_prompt_in_a_list_refuses_the_request_before_any_prompt_starts(tiny_server, prompt):
+    """Every prompt of a request is checked before the first reaches the engine: before, the
+    good ones were admitted and computed, then aborted when a later one was refused."""
+    before = scrape(tiny_server.url)
+    response = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 50}, timeout=30)
+    assert response.status_code == 400, response.text
+    after = scrape(tiny_server.url)
+    for name in (ABORT, "pagedllm:prompt_tokens_total", "pagedllm:num_requests_running", "pagedllm:num_requests_waiting"):
+        assert after.get(name) == before.get(name), name
+
+
 def test_b11_max_tokens_null_means_rest_of_context(tiny_server):
     response = httpx.post(tiny_server.url + "/v1/completions", timeout=60,
                           json={"prompt": [1, 2, 3, 4, 5], "max_tokens": None, "temperature": 0})

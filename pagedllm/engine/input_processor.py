@@ -91,9 +91,7 @@ class InputProcessor:
         if request_id in in_flight:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         prompt_text, prompt_token_ids = self.tokenize(prompt)
-        self.check_prompt_token_ids(prompt_token_ids)
-        max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
-        self.check_num_blocks(len(prompt_token_ids), max_tokens, params.n)
+        max_tokens = self.check_prompt(prompt_token_ids, params)
         return ProcessedRequest(request_id, prompt_text, prompt_token_ids, params, max_tokens, cache_salt,
                                 time.monotonic() if arrival_time is None else arrival_time,
                                 self.compile_grammar(params))
@@ -163,6 +161,19 @@ class InputProcessor:
                              f"({self.token_span.describe()}), but max_model_len is {max_model_len}"
                              f"{self._capacity_note()} and at least one token must be generated: the "
                              f"prompt may have at most {max_model_len - 1} tokens")
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """The checks of one prompt under ``params`` (its token ids, its length and the pool);
+        returns its resolved ``max_tokens``. A request of several prompts checks them all
+        before adding any.
+
+        Raises:
+            ValueError: see ``check_prompt_token_ids``, ``resolve_max_tokens``, ``check_num_blocks``.
+        """
+        self.check_prompt_token_ids(prompt_token_ids)
+        max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+        self.check_num_blocks(len(prompt_token_ids), max_tokens, params.n)
+        return max_tokens
 
     def check_prompt_token_ids(self, prompt_token_ids: list[int]) -> None:
         """Raises: ValueError for an empty prompt or a token id outside the vocabulary."""

@@ -342,7 +342,8 @@ class OpenAIServing:
         """Admit a request and add one engine request per prompt, all or none.
 
         In order: the key's priority rule (400), the text prompts' tokenization (400, see
-        ``tokenize_prompts``), its rate limits (429), overload protection (503), then the engine
+        ``tokenize_prompts``), every prompt's checks (400, ``InputProcessor.check_prompt``),
+        its rate limits (429), overload protection (503), then the engine
         (400, 429 queue full, 503 draining or dead). The response id is
         ``{prefix}-{X-Request-Id}`` (vLLM's form); engine ids are ``{key name}/{uuid}-{i}``,
         never derived from the client's id, so no client can name or collide with another's.
@@ -353,6 +354,11 @@ class OpenAIServing:
         context = client_context(raw_request)
         priority = self.resolve_priority(priority, context.key)
         prompts = await self.tokenize_prompts(prompts)
+        try:  # every prompt before any reaches the engine: a bad one must not start the others
+            for prompt in prompts:
+                self.input_processor.check_prompt(self.input_processor.tokenize(prompt)[1], params)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc)) from exc
         limiter = self.policy.limiter
         cost = self.request_cost(prompts, params) if limiter.counts_tokens(context.key) else 0
         try:
