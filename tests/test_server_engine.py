@@ -135,6 +135,17 @@ def test_a_bad_prompt_in_a_list_refuses_the_request_before_any_prompt_starts(tin
         assert after.get(name) == before.get(name), name
 
 
+def test_use_beam_search_is_refused_not_silently_sampled(tiny_server, caplog):
+    body = {"prompt": [1, 2], "max_tokens": 3, "n": 2, "use_beam_search": True}
+    response = httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "use_beam_search"
+    with caplog.at_level("WARNING", logger="pagedllm.entrypoints.openai.serving_engine"):
+        body.update(use_beam_search=False, chat_template="x")
+        response = httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 2
+    assert "fields ignored in a request: chat_template, use_beam_search" in caplog.text
+
+
 def test_b11_max_tokens_null_means_rest_of_context(tiny_server):
     response = httpx.post(tiny_server.url + "/v1/completions", timeout=60,
                           json={"prompt": [1, 2, 3, 4, 5], "max_tokens": None, "temperature": 0})

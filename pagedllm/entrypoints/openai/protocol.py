@@ -6,7 +6,8 @@ top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, cache_
 Structured outputs come as OpenAI's ``response_format`` (``json_object``, ``json_schema``) or
 vLLM's ``structured_outputs`` object and its older ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar`` fields; one of these per request.
-Unknown fields are accepted and ignored, as vLLM does. Ranges are checked once, by
+Unknown fields are accepted, ignored and logged, as vLLM does (``use_beam_search: true`` is
+refused: ``OpenAIServing.check_request``). Ranges are checked once, by
 ``SamplingParams``, whose ``ValueError`` names the field, the limit and the value.
 
 JSON types are checked as OpenAI checks them, not as pydantic's lax mode would coerce them:

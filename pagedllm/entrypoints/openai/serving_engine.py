@@ -237,13 +237,23 @@ class OpenAIServing:
     def check_request(self, request: Any) -> None:
         """What completions and chat check before anything else.
 
+        Unknown fields are ignored, as vLLM ignores them, and logged; but ``use_beam_search:
+        true`` (vLLM's beam search over HTTP) would silently sample instead: refused.
+
         Raises:
-            OpenAIError: 404 unknown model; 400 ``stream_options`` without ``stream`` (as vLLM).
+            OpenAIError: 404 unknown model; 400 ``stream_options`` without ``stream`` (as vLLM),
+                or ``use_beam_search`` (beam search is ``LLM.beam_search``, not served).
         """
         self.check_model(request.model)
         if request.stream_options is not None and not request.stream:
             raise OpenAIError(400, "Stream options can only be defined when `stream=True`.",
                               param="stream_options")
+        extra = request.model_extra or {}
+        if extra.get("use_beam_search"):
+            raise OpenAIError(400, "use_beam_search is not supported by this server: beam search runs "
+                                   "offline through LLM.beam_search", param="use_beam_search")
+        if extra:
+            logger.warning("fields ignored in a request: %s", ", ".join(sorted(extra)))
 
     def encode_text(self, text: str, param: str, **kwargs: Any) -> list[int]:
         """``text`` through the tokenizer (``kwargs`` go to ``encode``). Blocks for as long as
