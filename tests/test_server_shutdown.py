@@ -46,6 +46,15 @@ def serve_slow_tiny(tmp_path, *args: str) -> ServerProcess:
 STREAM_END_SECONDS = 3
 
 
+def signal_and_wait_for_drain(server, sig: int) -> None:
+    """Send ``sig`` and wait (up to 10 s) until ``/health`` answers 503: the drain has begun."""
+    server.proc.send_signal(sig)
+    deadline = time.monotonic() + 10
+    while httpx.get(server.url + "/health").status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_open_kv_stream_ends_at_once_on_shutdown(tmp_path, sig):
     # The live view's stream is endless: uvicorn waited for it for its whole graceful timeout,
@@ -94,11 +103,7 @@ def test_a_second_sigint_ends_the_drain_at_once_quietly(tmp_path):
     try:
         client.start()
         wait_for_metrics(server.url, lambda v: v["pagedllm:num_requests_running"] == 1, timeout=30)
-        server.proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 10
-        while httpx.get(server.url + "/health").status_code != 503:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        signal_and_wait_for_drain(server, signal.SIGINT)
         assert not ended_at  # draining: the request still runs
         signalled_at = time.monotonic()
         server.proc.send_signal(signal.SIGINT)
@@ -146,11 +151,7 @@ def test_sigterm_drains_then_exits_0(tmp_path):
         for thread in short_threads:
             thread.start()
         wait_for_metrics(server.url, lambda v: v["pagedllm:num_requests_running"] == 4, timeout=30)
-        server.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while httpx.get(server.url + "/health").status_code != 503:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        signal_and_wait_for_drain(server, signal.SIGTERM)
         # Draining: not ready for new work, but alive (a platform must not restart it).
         readyz = httpx.get(server.url + "/readyz")
         assert readyz.status_code == 503 and "shutting down" in readyz.json()["error"]["message"]
