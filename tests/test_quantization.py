@@ -17,8 +17,8 @@ from tests.conftest import tiny_config, tiny_state_dict
 from pagedllm.config import EngineArgs
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.quantization import (KERNEL_MAX_ROWS, Int4Linear, Int8Linear, W4A8Linear, W8A8Linear,
-                                          block_w4a8, int4_from_q4_1, int4_from_q4_k, quantize_int4,
+from pagedllm.layers.quantization import (KERNEL_MAX_ROWS, Int4Linear, Int8Linear, Q8_0Linear, W4A8Linear,
+                                          W8A8Linear, block_q8_0, block_w4a8, unblock_q8_0, int4_from_q4_1, int4_from_q4_k, quantize_int4,
                                           quantize_int8, unblock_w4a8, w4a8_linear_torch, w8a8_linear_torch,
                                           weight_bytes)
 from pagedllm.models.loader import build_model
@@ -395,14 +395,18 @@ def test_w4a8_is_the_weight_times_the_rounded_activations():
 
 def test_w4a8_model_wires_every_layer():
     """quantize_model("w4a8"): every decoder projection a W4A8Linear with the int4 method's
-    codes (fp16 scales), the embedding and LM head grouped int8 as int4's."""
+    codes (fp16 scales); the LM head a Q8_0Linear with int4's grouped int8 head's codes and
+    scales, its embedding rows int4's."""
     config = tiny_config()
     state_dict = tiny_state_dict(config)
     model = build_model(config, state_dict, torch.float32, quantization="w4a8")
     int4 = build_model(config, state_dict, torch.float32, quantization="int4")
     layers = [m for m in model.modules() if isinstance(m, W4A8Linear)]
     assert len(layers) == 4 * config.num_hidden_layers
-    assert isinstance(model.lm_head, Int8Linear) and model.lm_head.scales.dim() == 2
+    assert isinstance(model.lm_head, Q8_0Linear) and isinstance(int4.lm_head, Int8Linear)
+    assert torch.equal(model.lm_head.dequantize(), int4.lm_head.dequantize())
+    ids = torch.tensor([0, 3, config.vocab_size - 1])
+    assert torch.equal(model.embed_tokens(ids), int4.embed_tokens(ids))
     for (name, a), (_, b) in zip(model.named_modules(), int4.named_modules()):
         if isinstance(a, W4A8Linear):
             assert isinstance(b, Int4Linear), name
@@ -431,7 +435,7 @@ def test_w4a8_smollm2_keeps_perplexity_within_two_percent():
     assert results["w4a8"] / results[None] - 1 < 0.02, results
 
 
-@pytest.mark.parametrize("method", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("method", ["w8a8", "w4a8", "q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_quantization_propagates_nan_and_inf(method, dtype):
     """A NaN or an infinity in a row's activations gives that row NaN outputs, as a float matmul
@@ -447,7 +451,7 @@ def test_activation_quantization_propagates_nan_and_inf(method, dtype):
         paths = [lambda x, p=p: native.w8a8_linear(x, *args, p) for p in (False, True)]
         paths.append(lambda x: w8a8_linear_torch(x, *args))
     else:
-        layer = W4A8Linear.from_float(weight, bias)
+        layer = (W4A8Linear if method == "w4a8" else Q8_0Linear).from_float(weight, bias)
         paths = [lambda x, p=p: native.w4a8_linear(x, layer.blocked, layer.bias, p) for p in (False, True)]
         paths.append(lambda x: w4a8_linear_torch(x, layer.blocked, layer.bias))
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0))
@@ -458,3 +462,72 @@ def test_activation_quantization_propagates_nan_and_inf(method, dtype):
         y = path(x)
         assert y[1:].isnan().all()
         assert torch.equal(y[0], path(x[:1])[0]) and y[0].isfinite().all()
+
+
+# ------------------------------------------------------------------------------------ Q8_0 x Q8_0
+def test_q8_0_layout_keeps_codes_scales_and_rows():
+    """``block_q8_0`` is lossless; a Q8_0Linear is the grouped int8 weight of ``Int8Linear``
+    (the same ``dequantize`` and embedding ``rows``)."""
+    weight, bias = _random_linear(48, 96)
+    codes, scales = quantize_int8(weight, grouped=True)
+    blocked = block_q8_0(codes, scales)
+    assert blocked.shape == (3, 3, 576) and blocked.dtype == torch.uint8
+    back_codes, back_scales = unblock_q8_0(blocked)
+    assert torch.equal(back_codes, codes) and torch.equal(back_scales, scales)
+    layer, grouped = Q8_0Linear(codes, scales, bias), Int8Linear(codes, scales, bias)
+    assert torch.equal(layer.dequantize(), grouped.dequantize())
+    index = torch.tensor([47, 0, 16, 17, 5, 47])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(layer.rows(index, dtype), grouped.rows(index, dtype))
+    with pytest.raises(ValueError, match="out_features divisible by 16 and in_features by 32"):
+        Q8_0Linear.from_float(weight[:40], bias[:40])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 130])
+@pytest.mark.parametrize("shape,bias", [((48, 64), True), ((96, 576), False)])
+def test_q8_0_native_matches_reference_and_portable_bitwise(dtype, rows, shape, bias):
+    """The 8-bit layout through ``w4a8_linear``: VPDPBUSD and the nibble-split VPMADDUBSW path
+    bitwise equal; both the Q8_0 weight times the activations rounded per 32 inputs (float64)
+    within fp32 rounding, and the torch twin too; an fp32 ``out_dtype`` gets the fp32 sums."""
+    from pagedllm.layers import ops
+
+    native = ops.native_ops()
+    weight, b = _random_linear(*shape)
+    layer = Q8_0Linear.from_float(weight, b if bias else None)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, shape[1], generator=g)
+    x[0, :32] = 0  # an all-zero group: scale 1, codes 0
+    x[-1, 40] = 50.0  # an outlier takes its group's scale
+    x = x.to(dtype)
+    got = native.w4a8_linear(x, layer.blocked, layer.bias)
+    assert got.dtype == dtype and got.shape == (rows, shape[0])
+    assert torch.equal(got, native.w4a8_linear(x, layer.blocked, layer.bias, True))
+    v = x.double().view(rows, -1, 32)
+    amax = v.abs().amax(dim=-1, keepdim=True)
+    s = torch.where(amax > 0, amax.float() / 127, torch.ones_like(amax.float())).double()
+    rounded = (torch.round((v.float() / s.float())).clamp(-127, 127).double() * s).view(rows, -1)
+    reference = rounded @ layer.dequantize().double().t() + (layer.bias.double() if bias else 0)
+    atol = 1e-5 * reference.abs().max().item()
+    rtol = 1e-6 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(got.double(), reference, atol=atol, rtol=rtol)
+    torch.testing.assert_close(w4a8_linear_torch(x, layer.blocked, layer.bias).double(), reference, atol=atol, rtol=rtol)
+    full = layer(x, out_dtype=torch.float32)
+    assert full.dtype == torch.float32
+    torch.testing.assert_close(full.double(), reference, atol=atol, rtol=1e-6)
+
+
+def test_w8a8_model_has_a_q8_0_head():
+    """quantize_model("w8a8"): the LM head and the embedding it is tied to become one
+    Q8_0Linear (before, both stayed in the compute dtype); its logits are the grouped int8
+    head's weights times the hidden states rounded per 32 inputs."""
+    config = tiny_config(tie_word_embeddings=True)
+    state_dict = tiny_state_dict(config)
+    model = build_model(config, state_dict, torch.float32, quantization="w8a8")
+    assert isinstance(model.lm_head, Q8_0Linear) and model.embed_tokens.table is model.lm_head
+    codes, scales = quantize_int8(state_dict["model.embed_tokens.weight"], grouped=True)
+    assert torch.equal(model.lm_head.dequantize(), Int8Linear(codes, scales, None).dequantize())
+    hidden = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, w4a8_linear_torch(hidden, model.lm_head.blocked, None), rtol=1e-5, atol=1e-5)

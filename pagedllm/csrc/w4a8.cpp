@@ -25,6 +25,14 @@
 // lanes. So lanes are channels (no horizontal sums), a tile is one sequential stream of
 // 0.625 bytes per weight, and the per-group scaling is two FMAs on 16 channels at once.
 //
+// The same op multiplies 8-bit weights (GGUF Q8_0: symmetric int8 codes c with an fp32 scale d
+// per group of 32; pagedllm's LM head under w4a8 / w8a8) by the same Q8_1 activations: llama.cpp's
+// Q8_0 x Q8_0 dot. Written as W = d * u + m with u = c + 128 in [1, 255] and m = -128 d (exact in
+// fp32), it is the formula above with unsigned 8-bit codes, so VPDPBUSD takes them as they are.
+// Layout [N / 16, K / 32, 576]: for each tile and group 512 code bytes, byte 64 j + 4 ch + i
+// holding u[ch, 32g + 4j + i] (j = 0 .. 7), then the 16 channels' d as fp32 (64 bytes). The
+// group size in bytes (320 or 576) tells the two layouts apart.
+//
 // Every row takes the same operations in the same order whatever the batch, so a row's result
 // does not depend on the other rows (decode, prefill and mixed steps alike). Without
 // AVX512_VNNI (or with `portable`) the dot product is VPMADDUBSW + VPMADDWD, whose int16 pair
@@ -50,7 +58,10 @@ namespace {
 
 constexpr int64_t kTile = 16;          // output channels per tile
 constexpr int64_t kGroup = 32;         // inputs per group
-constexpr int64_t kGroupBytes = 320;   // 256 code bytes + 16 fp16 scales + 16 fp16 mins
+// Bytes per tile and group: 4-bit: 256 code bytes + 16 fp16 scales + 16 fp16 mins; 8-bit: 512 code
+// bytes + 16 fp32 scales.
+template <int Bits>
+constexpr int64_t kGroupBytes = Bits == 4 ? 320 : 576;
 constexpr int64_t kMaxRows = 8;        // rows per register block: 8 float + 8 int accumulators
 constexpr int64_t kRowBlock = 128;     // rows whose activations stay in L2 while a thread's tiles pass
 constexpr int64_t kParallelElements = 1 << 16;
@@ -102,7 +113,7 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* s, float* sum) {
 
 #if defined(__AVX512BW__)
 // y[r, n0 : n0 + 16] for R rows from one tile (`tile`: K / 32 groups of kGroupBytes).
-template <int R, bool Vnni, typename T>
+template <int Bits, int R, bool Vnni, typename T>
 inline void tile_rows(const int8_t* q, const float* s, const float* sum, int64_t k, const uint8_t* tile, T* y,
                       int64_t n, const float* bias) {
   const int64_t groups = k / kGroup;
@@ -111,7 +122,7 @@ inline void tile_rows(const int8_t* q, const float* s, const float* sum, int64_t
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* p = tile + g * kGroupBytes;
+    const uint8_t* p = tile + g * kGroupBytes<Bits>;
     const int8_t* qg = q + g * kGroup;
     // Rows interleaved in the inner loop (independent dependency chains side by side, only two
     // code vectors live); up to 4 rows, each row's sum also split in two chains.
@@ -119,30 +130,60 @@ inline void tile_rows(const int8_t* q, const float* s, const float* sum, int64_t
     __m512i dot[R][kChains];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_si512();
+    if constexpr (Bits == 4) {
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(p + 64 * j);
-      const __m512i lo = _mm512_and_si512(v, low4);                       // inputs 4j .. 4j + 3
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);  // inputs 16 + 4j ..
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * j);
+        const __m512i lo = _mm512_and_si512(v, low4);                       // inputs 4j .. 4j + 3
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);  // inputs 16 + 4j ..
 #pragma GCC unroll 12
-      for (int r = 0; r < R; ++r) {
-        // The row's 4 input codes broadcast straight from memory.
-        const __m512i x_lo = _mm512_broadcastd_epi32(_mm_loadu_si32(qg + r * k + 4 * j));
-        const __m512i x_hi = _mm512_broadcastd_epi32(_mm_loadu_si32(qg + r * k + 16 + 4 * j));
+        for (int r = 0; r < R; ++r) {
+          // The row's 4 input codes broadcast straight from memory.
+          const __m512i x_lo = _mm512_broadcastd_epi32(_mm_loadu_si32(qg + r * k + 4 * j));
+          const __m512i x_hi = _mm512_broadcastd_epi32(_mm_loadu_si32(qg + r * k + 16 + 4 * j));
 #if defined(__AVX512VNNI__)
-        if constexpr (Vnni) {
-          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], lo, x_lo);
-          dot[r][kChains - 1] = _mm512_dpbusd_epi32(dot[r][kChains - 1], hi, x_hi);
-          continue;
-        }
+          if constexpr (Vnni) {
+            dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], lo, x_lo);
+            dot[r][kChains - 1] = _mm512_dpbusd_epi32(dot[r][kChains - 1], hi, x_hi);
+            continue;
+          }
 #endif
-        dot[r][0] = _mm512_add_epi32(dot[r][0], _mm512_madd_epi16(_mm512_maddubs_epi16(lo, x_lo), ones));
-        dot[r][kChains - 1] =
-            _mm512_add_epi32(dot[r][kChains - 1], _mm512_madd_epi16(_mm512_maddubs_epi16(hi, x_hi), ones));
+          dot[r][0] = _mm512_add_epi32(dot[r][0], _mm512_madd_epi16(_mm512_maddubs_epi16(lo, x_lo), ones));
+          dot[r][kChains - 1] =
+              _mm512_add_epi32(dot[r][kChains - 1], _mm512_madd_epi16(_mm512_maddubs_epi16(hi, x_hi), ones));
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * j);  // 16 channels x inputs 4j .. 4j + 3
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = _mm512_broadcastd_epi32(_mm_loadu_si32(qg + r * k + 4 * j));
+          const int c = kChains == 2 ? (j & 1) : 0;
+#if defined(__AVX512VNNI__)
+          if constexpr (Vnni) {
+            dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], v, x);
+            continue;
+          }
+#endif
+          // u = 16 hi + lo: VPMADDUBSW's int16 pair sums of 255 x 127 would saturate, of
+          // nibbles they cannot (2 * 15 * 127 < 32767).
+          const __m512i lo = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(v, low4), x), ones);
+          const __m512i hi = _mm512_madd_epi16(
+              _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), x), ones);
+          dot[r][c] = _mm512_add_epi32(dot[r][c], _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 4)));
+        }
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
+    __m512 d, m;
+    if constexpr (Bits == 4) {
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
+      m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
+    } else {
+      d = _mm512_loadu_ps(reinterpret_cast<const float*>(p + 512));
+      m = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512i sum_r = kChains == 2 ? _mm512_add_epi32(dot[r][0], dot[r][kChains - 1]) : dot[r][0];
@@ -154,16 +195,16 @@ inline void tile_rows(const int8_t* q, const float* s, const float* sum, int64_t
   for (int r = 0; r < R; ++r) pagedllm_vec::store16(y + r * n, _mm512_add_ps(acc[r], b));
 }
 
-template <bool Vnni, typename T>
+template <int Bits, bool Vnni, typename T>
 void tile_all_rows(const int8_t* q, const float* s, const float* sum, int64_t rows, int64_t k, const uint8_t* tile,
                    T* y, int64_t n, const float* bias) {
   const int64_t groups = k / kGroup;
   int64_t r = 0;
   for (; r + kMaxRows <= rows; r += kMaxRows)
-    tile_rows<kMaxRows, Vnni>(q + r * k, s + r * groups, sum + r * groups, k, tile, y + r * n, n, bias);
+    tile_rows<Bits, kMaxRows, Vnni>(q + r * k, s + r * groups, sum + r * groups, k, tile, y + r * n, n, bias);
   switch (rows - r) {
 #define CASE(R) \
-  case R: tile_rows<R, Vnni>(q + r * k, s + r * groups, sum + r * groups, k, tile, y + r * n, n, bias); break;
+  case R: tile_rows<Bits, R, Vnni>(q + r * k, s + r * groups, sum + r * groups, k, tile, y + r * n, n, bias); break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
 #undef CASE
     default: break;
@@ -171,7 +212,7 @@ void tile_all_rows(const int8_t* q, const float* s, const float* sum, int64_t ro
 }
 #else
 // The same formula one lane at a time (std::fma rounds as the vector FMA does).
-template <typename T>
+template <int Bits, typename T>
 void tile_all_rows_scalar(const int8_t* q, const float* s, const float* sum, int64_t rows, int64_t k,
                           const uint8_t* tile, T* y, int64_t n, const float* bias) {
   const int64_t groups = k / kGroup;
@@ -179,20 +220,33 @@ void tile_all_rows_scalar(const int8_t* q, const float* s, const float* sum, int
     for (int64_t ch = 0; ch < kTile; ++ch) {
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* p = tile + g * kGroupBytes;
+        const uint8_t* p = tile + g * kGroupBytes<Bits>;
         int32_t dot = 0;
-        for (int64_t j = 0; j < 4; ++j) {
-          for (int64_t i = 0; i < 4; ++i) {
-            const uint8_t byte = p[64 * j + 4 * ch + i];
-            dot += static_cast<int32_t>(byte & 0x0F) * q[r * k + g * kGroup + 4 * j + i];
-            dot += static_cast<int32_t>(byte >> 4) * q[r * k + g * kGroup + 16 + 4 * j + i];
+        float d, m;
+        if constexpr (Bits == 4) {
+          for (int64_t j = 0; j < 4; ++j) {
+            for (int64_t i = 0; i < 4; ++i) {
+              const uint8_t byte = p[64 * j + 4 * ch + i];
+              dot += static_cast<int32_t>(byte & 0x0F) * q[r * k + g * kGroup + 4 * j + i];
+              dot += static_cast<int32_t>(byte >> 4) * q[r * k + g * kGroup + 16 + 4 * j + i];
+            }
           }
+          c10::Half dh, mh;
+          std::memcpy(&dh, p + 256 + 2 * ch, 2);
+          std::memcpy(&mh, p + 288 + 2 * ch, 2);
+          d = static_cast<float>(dh);
+          m = static_cast<float>(mh);
+        } else {
+          for (int64_t j = 0; j < 8; ++j) {
+            for (int64_t i = 0; i < 4; ++i) {
+              dot += static_cast<int32_t>(p[64 * j + 4 * ch + i]) * q[r * k + g * kGroup + 4 * j + i];
+            }
+          }
+          std::memcpy(&d, p + 512 + 4 * ch, 4);
+          m = d * -128.f;
         }
-        c10::Half d, m;
-        std::memcpy(&d, p + 256 + 2 * ch, 2);
-        std::memcpy(&m, p + 288 + 2 * ch, 2);
-        acc = std::fma(static_cast<float>(dot), static_cast<float>(d) * s[r * groups + g], acc);
-        acc = std::fma(static_cast<float>(m), sum[r * groups + g], acc);
+        acc = std::fma(static_cast<float>(dot), d * s[r * groups + g], acc);
+        acc = std::fma(m, sum[r * groups + g], acc);
       }
       y[r * n + ch] = static_cast<T>(acc + (bias != nullptr ? bias[ch] : 0.f));
     }
@@ -200,7 +254,7 @@ void tile_all_rows_scalar(const int8_t* q, const float* s, const float* sum, int
 }
 #endif
 
-template <typename T>
+template <int Bits, typename T>
 at::Tensor w4a8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             bool portable) {
   const int64_t m = x.size(0), k = x.size(1), tiles = weight.size(0), n = tiles * kTile, groups = k / kGroup;
@@ -224,15 +278,15 @@ at::Tensor w4a8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const
     for (int64_t row0 = 0; row0 < m; row0 += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, m - row0);
       for (int64_t t = begin; t < end; ++t) {
-        const uint8_t* tile = wp + t * groups * kGroupBytes;
+        const uint8_t* tile = wp + t * groups * kGroupBytes<Bits>;
         const float* tile_bias = bp != nullptr ? bp + t * kTile : nullptr;
         T* out = yp + row0 * n + t * kTile;
 #if defined(__AVX512BW__)
-        if (portable) tile_all_rows<false>(qp + row0 * k, sp + row0 * groups, sump + row0 * groups, rows, k, tile, out, n, tile_bias);
-        else tile_all_rows<true>(qp + row0 * k, sp + row0 * groups, sump + row0 * groups, rows, k, tile, out, n, tile_bias);
+        if (portable) tile_all_rows<Bits, false>(qp + row0 * k, sp + row0 * groups, sump + row0 * groups, rows, k, tile, out, n, tile_bias);
+        else tile_all_rows<Bits, true>(qp + row0 * k, sp + row0 * groups, sump + row0 * groups, rows, k, tile, out, n, tile_bias);
 #else
         (void)portable;
-        tile_all_rows_scalar(qp + row0 * k, sp + row0 * groups, sump + row0 * groups, rows, k, tile, out, n, tile_bias);
+        tile_all_rows_scalar<Bits>(qp + row0 * k, sp + row0 * groups, sump + row0 * groups, rows, k, tile, out, n, tile_bias);
 #endif
       }
     }
@@ -245,8 +299,8 @@ at::Tensor w4a8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const
 at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        bool portable) {
   TORCH_CHECK_VALUE(weight.dim() == 3 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
-                        weight.size(2) == kGroupBytes,
-                    "w4a8_linear: weight must be a contiguous uint8 [N / 16, K / 32, 320] tensor, got ",
+                        (weight.size(2) == kGroupBytes<4> || weight.size(2) == kGroupBytes<8>),
+                    "w4a8_linear: weight must be a contiguous uint8 [N / 16, K / 32, 320 or 576] tensor, got ",
                     weight.scalar_type(), " ", weight.sizes());
   const int64_t n = weight.size(0) * kTile, k = weight.size(1) * kGroup;
   TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.size(1) == k &&
@@ -258,8 +312,13 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& weight, const s
                     "w4a8_linear: bias must be float32 [", n, "]");
   const at::Tensor x = x_in.contiguous();
   if (x.size(0) == 0) return at::empty({0, n}, x.options());
-  return x.scalar_type() == at::kFloat ? w4a8_linear_impl<float>(x, weight, bias, portable)
-                                       : w4a8_linear_impl<c10::BFloat16>(x, weight, bias, portable);
+  const bool eight = weight.size(2) == kGroupBytes<8>;
+  if (x.scalar_type() == at::kFloat) {
+    return eight ? w4a8_linear_impl<8, float>(x, weight, bias, portable)
+                 : w4a8_linear_impl<4, float>(x, weight, bias, portable);
+  }
+  return eight ? w4a8_linear_impl<8, c10::BFloat16>(x, weight, bias, portable)
+               : w4a8_linear_impl<4, c10::BFloat16>(x, weight, bias, portable);
 }
 
 }  // namespace pagedllm

@@ -465,11 +465,16 @@ def w4a8_linear_torch(x: torch.Tensor, blocked: torch.Tensor, bias: Optional[tor
 
     Args:
         x: ``[M, K]`` float32 or bfloat16; blocked: ``[N / 16, K / 32, 320]`` uint8
-            (``block_w4a8``); bias: ``[N]`` fp32 or None.
+            (``block_w4a8``) or ``[N / 16, K / 32, 576]`` (``block_q8_0``); bias: ``[N]`` fp32
+            or None.
 
     Returns: ``[M, N]`` in ``x``'s dtype.
     """
-    weight = unblock_w4a8(blocked)
+    if blocked.shape[2] == Q8_0_GROUP_BYTES:  # W = d * (c + 128) - 128 d, as the kernel takes it
+        codes, scales = unblock_q8_0(blocked)
+        weight = Int4Weight((codes.to(torch.int16) + 128).to(torch.uint8), scales, scales * -128)
+    else:
+        weight = unblock_w4a8(blocked)
     m, k = x.shape
     groups = k // INT4_GROUP_SIZE
     v = x.float().view(m, groups, INT4_GROUP_SIZE)
@@ -529,12 +534,115 @@ class W4A8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class Int8Embedding(nn.Module):
-    """A token embedding that looks up rows of a grouped ``Int8Linear`` (the LM head's, when
-    the two are tied, so one int8 copy serves both). ``forward``: ``[T]`` int64 ids ->
-    ``[T, hidden]`` in ``dtype``."""
+Q8_0_GROUP_BYTES = 576  # bytes per tile of 16 channels and 32-input group in ``block_q8_0``
 
-    def __init__(self, table: Int8Linear, dtype: torch.dtype) -> None:
+
+def block_q8_0(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A grouped int8 weight (``quantize_int8(grouped=True)``: GGUF ``Q8_0``) in the 8-bit layout
+    of ``csrc/w4a8.cpp``: ``[N / 16, K / 32, 576]`` uint8.
+
+    For each tile of 16 output channels and each 32-input group: 512 bytes, byte
+    ``64 j + 4 ch + i`` holding ``codes[ch, 32 g + 4 j + i] + 128`` (unsigned, for VPDPBUSD),
+    then the 16 channels' scales as fp32.
+
+    Args:
+        codes: ``[N, K]`` int8 in ``[-127, 127]``; scales: ``[N, K / 32]`` fp32.
+
+    Raises:
+        ValueError: ``N`` not a multiple of 16, or ``K`` not of 32.
+    """
+    n, k = codes.shape
+    if n % W4A8_TILE or k % INT4_GROUP_SIZE:
+        raise ValueError(f"a q8_0 layer needs out_features divisible by {W4A8_TILE} and in_features by "
+                         f"{INT4_GROUP_SIZE}; got a [{n}, {k}] weight")
+    tiles, groups = n // W4A8_TILE, k // INT4_GROUP_SIZE
+    unsigned = (codes.to(torch.int16) + 128).to(torch.uint8)
+    unsigned = unsigned.view(tiles, W4A8_TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [tile, group, j, ch, i]
+    d = scales.float().view(tiles, W4A8_TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat([unsigned.reshape(tiles, groups, 512), d], dim=2).contiguous()
+
+
+def unblock_q8_0(blocked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``block_q8_0``: codes ``[N, K]`` int8 and scales ``[N, K / 32]`` fp32."""
+    tiles, groups, _ = blocked.shape
+    unsigned = blocked[:, :, :512].reshape(tiles, groups, 8, W4A8_TILE, 4).permute(0, 3, 1, 2, 4)
+    codes = (unsigned.to(torch.int16) - 128).to(torch.int8).reshape(tiles * W4A8_TILE, groups * INT4_GROUP_SIZE)
+    scales = blocked[:, :, 512:].contiguous().view(torch.float32).transpose(1, 2).reshape(tiles * W4A8_TILE, groups)
+    return codes.contiguous(), scales.contiguous()
+
+
+class Q8_0Linear(nn.Module):
+    """``y ~= x @ W.T + bias`` with GGUF ``Q8_0`` weights (int8, an fp32 scale per 32-weight
+    group) times activations quantized per token and 32-input group (``Q8_1``): llama.cpp's
+    ``Q8_0 x Q8_0`` dot, by the same C++ op as ``W4A8Linear`` (``csrc/w4a8.cpp``, 8-bit layout).
+
+    The LM head (and the embedding rows it is tied to) under ``w4a8`` and ``w8a8``. On the Zen 4
+    of bench/README.md (2 threads, AVX512_VNNI) SmolLM2's head took ~1.1 ms at one row and ~6 ms
+    at 64 rows this way, against 1.75 / 34 ms as a weight-only grouped int8 layer (fp32 FMAs)
+    and 2.4 / 11.9 ms as a packed bf16 one. The weights are those of the grouped int8 head of
+    ``int8`` / ``int4`` (``quantize_int8(grouped=True)``); only the activations' int8 rounding
+    per 32 inputs is new.
+
+    Attributes:
+        blocked: ``[N / 16, K / 32, 576]`` uint8 (``block_q8_0``); bias: ``[N]`` fp32 or None.
+
+    Raises:
+        ValueError: (constructor) ``N`` not a multiple of 16 or ``K`` of 32.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("blocked", block_q8_0(codes, scales))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "Q8_0Linear":
+        return cls(*quantize_int8(weight, grouped=True), bias)
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """Whether a ``[N, K]`` weight has whole tiles and groups (``N % 16 == K % 32 == 0``)."""
+        return weight.shape[0] % W4A8_TILE == 0 and weight.shape[1] % INT4_GROUP_SIZE == 0
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``index`` (``[T]`` int64) of the weight, ``[T, K]`` in ``dtype`` (an embedding
+        lookup; the values of ``Int8Linear.rows`` for the same codes and scales)."""
+        tokens, groups = index.shape[0], self.in_features // INT4_GROUP_SIZE
+        tiles = self.blocked[index // W4A8_TILE]  # [T, groups, 576]
+        channel = (index % W4A8_TILE).view(tokens, 1, 1, 1, 1)
+        codes = tiles[:, :, :512].reshape(tokens, groups, 8, W4A8_TILE, 4)
+        codes = codes.gather(3, channel.expand(tokens, groups, 8, 1, 4)).view(tokens, groups, INT4_GROUP_SIZE)
+        scales = tiles[:, :, 512:].contiguous().view(torch.float32)  # [T, groups, 16]
+        scales = scales.gather(2, channel.view(tokens, 1, 1).expand(tokens, groups, 1))
+        return ((codes.float() - 128) * scales).view(tokens, self.in_features).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[N, K]`` weight, ``scales * codes`` per group."""
+        codes, scales = unblock_q8_0(self.blocked)
+        groups = codes.float().view(self.out_features, -1, INT4_GROUP_SIZE) * scales[..., None]
+        return groups.view(self.out_features, self.in_features).to(dtype)
+
+    def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``x`` ``[M, K]`` float32 or bfloat16 -> ``[M, N]`` in ``out_dtype`` (default ``x``'s);
+        an fp32 ``out_dtype`` gets the fp32 sums unrounded (the activation codes are the same
+        for ``x`` and ``x.float()``)."""
+        if out_dtype == torch.float32:
+            x = x.float()
+        ops = native_ops()
+        y = ops.w4a8_linear(x, self.blocked, self.bias) if ops is not None else w4a8_linear_torch(x, self.blocked, self.bias)
+        return y if out_dtype is None else y.to(out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Embedding(nn.Module):
+    """A token embedding that looks up rows of a grouped ``Int8Linear`` or a ``Q8_0Linear`` (the
+    LM head's, when the two are tied, so one int8 copy serves both). ``forward``: ``[T]`` int64
+    ids -> ``[T, hidden]`` in ``dtype``."""
+
+    def __init__(self, table: "Int8Linear | Q8_0Linear", dtype: torch.dtype) -> None:
         super().__init__()
         self.table, self.dtype = table, dtype
 
@@ -562,8 +670,11 @@ def quantize_model(model: nn.Module, prequantized: Optional[dict[str, "Int4Weigh
 
     ``w8a8``: every decoder linear layer becomes a ``W8A8Linear``, smoothed by the activation
     ranges of one forward pass of the float model over ``calibration_token_ids``
-    (``layers/smooth_quant.py``); the embedding and the LM head stay in the compute dtype
-    (the head's logits decide greedy ties; a bf16 head, packed, is also the fastest at batch 64).
+    (``layers/smooth_quant.py``). Under ``w8a8`` and ``w4a8`` the LM head (and the embedding
+    it is tied to) is a ``Q8_0Linear``: the same grouped int8 weights as ``int8``'s head,
+    times int8 activations per 32 inputs (a head whose shape does not split into its tiles
+    stays as before: in the compute dtype under ``w8a8``, a grouped ``Int8Linear`` under
+    ``w4a8``).
 
     ``awq`` / ``gptq`` / ``compressed-tensors``: the checkpoint's own integer weights
     (``prequantized``, read by ``models/quantized_checkpoint.py``) replace the layers they
@@ -641,12 +752,16 @@ def quantize_model(model: nn.Module, prequantized: Optional[dict[str, "Int4Weigh
         if model.fused_decode is not None and any(m.input_order is not None for m in quantized):
             model.fused_decode.enabled = False  # decode_layers has no input gather
         return
-    if method == "w8a8":
-        return
     tied = model.embed_tokens.weight.untyped_storage().data_ptr() == model.lm_head.weight_t.untyped_storage().data_ptr()
     embedding = model.embed_tokens.weight
-    model.lm_head = Int8Linear.from_float(model.lm_head.weight, model.lm_head.bias, grouped=True)
-    table = model.lm_head if tied else Int8Linear.from_float(embedding, None, grouped=True)
+    if method in ("w8a8", "w4a8") and Q8_0Linear.fits(model.lm_head.weight) and Q8_0Linear.fits(embedding):
+        model.lm_head = Q8_0Linear.from_float(model.lm_head.weight, model.lm_head.bias)
+        table = model.lm_head if tied else Q8_0Linear.from_float(embedding, None)
+    elif method == "w8a8":
+        return
+    else:
+        model.lm_head = Int8Linear.from_float(model.lm_head.weight, model.lm_head.bias, grouped=True)
+        table = model.lm_head if tied else Int8Linear.from_float(embedding, None, grouped=True)
     model.embed_tokens = Int8Embedding(table, model.dtype)
 
 
