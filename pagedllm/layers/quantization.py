@@ -595,6 +595,7 @@ class Q8_0Linear(nn.Module):
         self.out_features, self.in_features = codes.shape
         self.register_buffer("blocked", block_q8_0(codes, scales))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._row_words: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # rows()' word offsets
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> "Q8_0Linear":
@@ -608,13 +609,20 @@ class Q8_0Linear(nn.Module):
     def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``index`` (``[T]`` int64) of the weight, ``[T, K]`` in ``dtype`` (an embedding
         lookup; the values of ``Int8Linear.rows`` for the same codes and scales)."""
-        tokens, groups = index.shape[0], self.in_features // INT4_GROUP_SIZE
-        tiles = self.blocked[index // W4A8_TILE]  # [T, groups, 576]
-        channel = (index % W4A8_TILE).view(tokens, 1, 1, 1, 1)
-        codes = tiles[:, :, :512].reshape(tokens, groups, 8, W4A8_TILE, 4)
-        codes = codes.gather(3, channel.expand(tokens, groups, 8, 1, 4)).view(tokens, groups, INT4_GROUP_SIZE)
-        scales = tiles[:, :, 512:].contiguous().view(torch.float32)  # [T, groups, 16]
-        scales = scales.gather(2, channel.view(tokens, 1, 1).expand(tokens, groups, 1))
+        # Read only the row's words: each group of a tile is 144 32-bit words, word 16 j + ch
+        # holding channel ch's codes 4j .. 4j + 3 and word 128 + ch its scale.
+        groups = self.in_features // INT4_GROUP_SIZE
+        words = Q8_0_GROUP_BYTES // 4
+        if self._row_words is None:
+            group_start = torch.arange(groups) * words
+            self._row_words = (group_start[:, None] + W4A8_TILE * torch.arange(8), group_start + 128)
+        code_words, scale_words = self._row_words
+        start = (index // W4A8_TILE) * (groups * words) + index % W4A8_TILE  # [T]
+        flat = self.blocked.view(-1)
+        codes = flat.view(torch.int32)[start[:, None, None] + code_words].view(torch.uint8)
+        codes = codes.view(index.shape[0], groups, INT4_GROUP_SIZE)
+        scales = flat.view(torch.float32)[start[:, None] + scale_words][..., None]
+        tokens = index.shape[0]
         return ((codes.float() - 128) * scales).view(tokens, self.in_features).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
