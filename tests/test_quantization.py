@@ -17,10 +17,10 @@ from tests.conftest import tiny_config, tiny_state_dict
 from pagedllm.config import EngineArgs
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.quantization import (KERNEL_MAX_ROWS, Int4Linear, Int8Linear, Q8_0Linear, W4A8Linear,
-                                          W8A8Linear, block_q8_0, block_w4a8, unblock_q8_0, int4_from_q4_1, int4_from_q4_k, quantize_int4,
-                                          quantize_int8, unblock_w4a8, w4a8_linear_torch, w8a8_linear_torch,
-                                          weight_bytes)
+from pagedllm.layers.quantization import (KERNEL_MAX_ROWS, Int4Linear, Int4Weight, Int8Linear, Q8_0Linear,
+                                          W4A8Linear, W8A8Linear, block_q8_0, block_w4a8, int4_from_q4_1,
+                                          int4_from_q4_k, quantize_int4, quantize_int8, unblock_q8_0,
+                                          unblock_w4a8, w4a8_linear_torch, w8a8_linear_torch, weight_bytes)
 from pagedllm.models.loader import build_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
@@ -288,11 +288,16 @@ def test_w8a8_smollm2_keeps_perplexity_within_two_percent():
 
 
 # ------------------------------------------------------------------------------------ W4A8
-def _w4a8_reference(x: torch.Tensor, layer: W4A8Linear) -> torch.Tensor:
+def _w4a8_reference(x: torch.Tensor, layer: "W4A8Linear | Q8_0Linear") -> torch.Tensor:
     """``csrc/w4a8.cpp``'s formula in float64 from scratch: the activation codes per 32-input
     group, exact integer dot products, then the scale and min terms (the kernel rounds these in
-    fp32, so it is within a few fp32 ulps of this)."""
-    weight = unblock_w4a8(layer.blocked)
+    fp32, so it is within a few fp32 ulps of this). A Q8_0 weight is taken as the kernel takes
+    it: codes ``c + 128`` with the min ``-128 * scale``."""
+    if isinstance(layer, Q8_0Linear):
+        codes, scales = unblock_q8_0(layer.blocked)
+        weight = Int4Weight(codes.to(torch.int16) + 128, scales, -128 * scales)
+    else:
+        weight = unblock_w4a8(layer.blocked)
     m, k = x.shape
     v = x.float().view(m, k // 32, 32)
     amax = v.abs().amax(dim=-1)
@@ -331,20 +336,23 @@ def test_w4a8_rejects_shapes_off_its_tiles():
         W4A8Linear(quantized, None)
 
 
+@pytest.mark.parametrize("layer_class", [W4A8Linear, Q8_0Linear])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 8, 9, 17, 130, 300])
 @pytest.mark.parametrize("shape,bias", [((48, 64), True), ((96, 576), False)])
-def test_w4a8_native_matches_reference_and_portable_bitwise(dtype, rows, shape, bias):
-    """The VPDPBUSD and VPMADDUBSW paths are bitwise equal (the same int32 sums); both are the
-    float64 formula within fp32 rounding, and the torch twin too (it rounds the scaling steps
-    separately). Rows 1-9, 17: every register block remainder (8 rows); 130, 300: more than one
-    row block (128)."""
+def test_w4a8_native_matches_reference_and_portable_bitwise(layer_class, dtype, rows, shape, bias):
+    """Both layouts (4-bit, and the 8-bit one of the Q8_0 head): the VPDPBUSD and VPMADDUBSW
+    paths are bitwise equal (the same int32 sums; 8-bit codes go through the latter as two
+    nibbles); both are the float64 formula within fp32 rounding, and the torch twin too (it
+    rounds the scaling steps separately). Rows 1-9, 17: every register block remainder (8
+    rows); 130, 300: more than one row block (128). A Q8_0 head asked for fp32 logits gets the
+    fp32 sums, not the bf16-rounded output."""
     from pagedllm.layers import ops
 
     native = ops.native_ops()
     assert native is not None
     weight, b = _random_linear(*shape)
-    layer = W4A8Linear.from_float(weight, b if bias else None)
+    layer = layer_class.from_float(weight, b if bias else None)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, shape[1], generator=g)
     if rows:
@@ -363,6 +371,10 @@ def test_w4a8_native_matches_reference_and_portable_bitwise(dtype, rows, shape, 
     rtol = 1e-6 if dtype == torch.float32 else 2 ** -8
     torch.testing.assert_close(got.double(), reference, atol=atol, rtol=rtol)
     torch.testing.assert_close(twin.double(), reference, atol=atol, rtol=rtol)
+    if layer_class is Q8_0Linear:
+        full = layer(x, out_dtype=torch.float32)
+        assert full.dtype == torch.float32
+        torch.testing.assert_close(full.double(), reference, atol=atol, rtol=1e-6)
 
 
 def test_w4a8_rows_do_not_depend_on_the_batch():
@@ -481,40 +493,6 @@ def test_q8_0_layout_keeps_codes_scales_and_rows():
         assert torch.equal(layer.rows(index, dtype), grouped.rows(index, dtype))
     with pytest.raises(ValueError, match="out_features divisible by 16 and in_features by 32"):
         Q8_0Linear.from_float(weight[:40], bias[:40])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 130])
-@pytest.mark.parametrize("shape,bias", [((48, 64), True), ((96, 576), False)])
-def test_q8_0_native_matches_reference_and_portable_bitwise(dtype, rows, shape, bias):
-    """The 8-bit layout through ``w4a8_linear``: VPDPBUSD and the nibble-split VPMADDUBSW path
-    bitwise equal; both the Q8_0 weight times the activations rounded per 32 inputs (float64)
-    within fp32 rounding, and the torch twin too; an fp32 ``out_dtype`` gets the fp32 sums."""
-    from pagedllm.layers import ops
-
-    native = ops.native_ops()
-    weight, b = _random_linear(*shape)
-    layer = Q8_0Linear.from_float(weight, b if bias else None)
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, shape[1], generator=g)
-    x[0, :32] = 0  # an all-zero group: scale 1, codes 0
-    x[-1, 40] = 50.0  # an outlier takes its group's scale
-    x = x.to(dtype)
-    got = native.w4a8_linear(x, layer.blocked, layer.bias)
-    assert got.dtype == dtype and got.shape == (rows, shape[0])
-    assert torch.equal(got, native.w4a8_linear(x, layer.blocked, layer.bias, True))
-    v = x.double().view(rows, -1, 32)
-    amax = v.abs().amax(dim=-1, keepdim=True)
-    s = torch.where(amax > 0, amax.float() / 127, torch.ones_like(amax.float())).double()
-    rounded = (torch.round((v.float() / s.float())).clamp(-127, 127).double() * s).view(rows, -1)
-    reference = rounded @ layer.dequantize().double().t() + (layer.bias.double() if bias else 0)
-    atol = 1e-5 * reference.abs().max().item()
-    rtol = 1e-6 if dtype == torch.float32 else 2 ** -8
-    torch.testing.assert_close(got.double(), reference, atol=atol, rtol=rtol)
-    torch.testing.assert_close(w4a8_linear_torch(x, layer.blocked, layer.bias).double(), reference, atol=atol, rtol=rtol)
-    full = layer(x, out_dtype=torch.float32)
-    assert full.dtype == torch.float32
-    torch.testing.assert_close(full.double(), reference, atol=atol, rtol=1e-6)
 
 
 def test_w8a8_model_has_a_q8_0_head():
