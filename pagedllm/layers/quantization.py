@@ -577,11 +577,11 @@ class Q8_0Linear(nn.Module):
     ``Q8_0 x Q8_0`` dot, by the same C++ op as ``W4A8Linear`` (``csrc/w4a8.cpp``, 8-bit layout).
 
     The LM head (and the embedding rows it is tied to) under ``w4a8`` and ``w8a8``. On the Zen 4
-    of bench/README.md (2 threads, AVX512_VNNI) SmolLM2's head took ~1.1 ms at one row and ~6 ms
-    at 64 rows this way, against 1.75 / 34 ms as a weight-only grouped int8 layer (fp32 FMAs)
-    and 2.4 / 11.9 ms as a packed bf16 one. The weights are those of the grouped int8 head of
-    ``int8`` / ``int4`` (``quantize_int8(grouped=True)``); only the activations' int8 rounding
-    per 32 inputs is new.
+    of bench/README.md (2 threads, AVX512_VNNI) SmolLM2's head took 1.32 ms at one row and
+    10.1 ms at 64 rows this way, against 1.44 / 32.9 ms as a weight-only grouped int8 layer
+    (fp32 FMAs) and 2.04 / 12.4 ms as a packed bf16 one. The weights are those of the grouped
+    int8 head of ``int8`` / ``int4`` (``quantize_int8(grouped=True)``); only the activations'
+    int8 rounding per 32 inputs is new.
 
     Attributes:
         blocked: ``[N / 16, K / 32, 576]`` uint8 (``block_q8_0``); bias: ``[N]`` fp32 or None.
@@ -622,8 +622,7 @@ class Q8_0Linear(nn.Module):
         codes = flat.view(torch.int32)[start[:, None, None] + code_words].view(torch.uint8)
         codes = codes.view(index.shape[0], groups, INT4_GROUP_SIZE)
         scales = flat.view(torch.float32)[start[:, None] + scale_words][..., None]
-        tokens = index.shape[0]
-        return ((codes.float() - 128) * scales).view(tokens, self.in_features).to(dtype)
+        return ((codes.float() - 128) * scales).view(index.shape[0], self.in_features).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``[N, K]`` weight, ``scales * codes`` per group."""
