@@ -26,8 +26,10 @@ _DTYPES = {
     "fp32": torch.float32,
 }
 
-# kv_cache_dtype values (vLLM's option; its fp8 types are not supported on the CPU here).
-_KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# kv_cache_dtype values (vLLM's option; its fp8 types are not supported on the CPU here, int8 is
+# pagedllm's: one fp32 scale per token and KV head, KV_SCALE_BYTES at the end of each row).
+_KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
+KV_SCALE_BYTES = 4
 
 # quantization values besides None (weights in the compute dtype).
 _QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8", "awq", "gptq", "compressed-tensors")
@@ -114,10 +116,12 @@ class EngineArgs:
         10.0, "under --scheduling-policy priority, seconds of waiting that improve a request's "
               "priority by one, so that low priorities cannot starve; 0 turns aging off")
     kv_cache_dtype: str = _option(
-        "auto", "KV cache dtype: auto (the compute dtype), bfloat16 or float32. A bfloat16 cache "
-                "under float32 compute holds twice the tokens in the same bytes and halves what "
-                "decode attention reads; K/V are rounded to bf16 when written, all arithmetic "
-                "stays fp32. float32 under bfloat16 compute is refused",
+        "auto", "KV cache dtype: auto (the compute dtype), bfloat16, float32 or int8. A bfloat16 "
+                "cache under float32 compute holds twice the tokens in the same bytes and halves "
+                "what decode attention reads; K/V are rounded to bf16 when written, all "
+                "arithmetic stays fp32. int8 holds each token's K/V row per KV head as int8 codes "
+                "and one fp32 scale: 1.9x the tokens of bfloat16 (head_dim 64), at a small "
+                "perplexity cost (README). float32 under bfloat16 compute is refused",
         choices=tuple(_KV_CACHE_DTYPES))
 
     @classmethod
@@ -302,11 +306,17 @@ def default_cpu_dtype() -> torch.dtype:
     return torch.float32
 
 
+def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one KV cache row (one token, one KV head) in a cache of ``dtype``:
+    ``head_dim``, plus ``KV_SCALE_BYTES`` in an int8 cache (``layers.ops.quantize_kv``)."""
+    return head_dim + KV_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
 def kv_cache_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                              dtype: torch.dtype) -> int:
     """Bytes of one block: K and V, every layer, ``block_size`` tokens."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+    return 2 * num_layers * block_size * num_kv_heads * kv_row_width(head_dim, dtype) * element_size
 
 
 def machine_memory() -> tuple[int, int]:

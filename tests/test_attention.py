@@ -18,7 +18,7 @@ from pagedllm.layers import ops as ops_module
 from pagedllm.layers.attention import (AttentionMetadata, PrefillSequence, paged_attention,
                                        paged_decode_attention, paged_decode_attention_torch,
                                        prefill_attention, prefill_attention_sdpa, write_kv_cache)
-from pagedllm.layers.ops import native_ops
+from pagedllm.layers.ops import native_ops, quantize_kv
 
 NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM = 64, 16, 64
 
@@ -31,8 +31,10 @@ def dense_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     pos`` (all of ``0 .. pos`` for window None: a sliding window, as Gemma 3's local layers)."""
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
-    keys = torch.stack([key_cache[block_table[p // block_size], p % block_size] for p in range(context_len)])
-    values = torch.stack([value_cache[block_table[p // block_size], p % block_size] for p in range(context_len)])
+    keys = torch.stack([cached_values(key_cache[block_table[p // block_size], p % block_size])
+                        for p in range(context_len)])
+    values = torch.stack([cached_values(value_cache[block_table[p // block_size], p % block_size])
+                          for p in range(context_len)])
     out = torch.empty(query.shape, dtype=torch.float64)
     for head in range(query.shape[1]):
         k, v = keys[:, head // group].double(), values[:, head // group].double()
@@ -43,9 +45,22 @@ def dense_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return out
 
 
+def cached_values(rows: torch.Tensor) -> torch.Tensor:
+    """Cache rows ``[..., width]`` as fp64 values: an int8 cache's rows are ``head_dim`` codes
+    and then the 4 bytes of their float32 scale."""
+    if rows.dtype != torch.int8:
+        return rows.double()
+    scale = torch.frombuffer(bytearray(rows[..., -4:].contiguous().numpy().tobytes()), dtype=torch.float32)
+    return rows[..., :-4].double() * scale.double().view(*rows.shape[:-1], 1)
+
+
 def random_caches(num_kv_heads: int, dtype: torch.dtype, seed: int, head_dim: int = HEAD_DIM):
+    """K and V caches of random normal values; an int8 cache holds them quantized
+    (``quantize_kv``, the rows ``reshape_and_cache_`` writes)."""
     g = torch.Generator().manual_seed(seed)
     shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim)
+    if dtype == torch.int8:
+        return quantize_kv(torch.randn(shape, generator=g)), quantize_kv(torch.randn(shape, generator=g)), g
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype), g
 
 
@@ -59,7 +74,8 @@ def random_decode_batch(num_seqs: int, num_heads: int, num_kv_heads: int, dtype:
     max_blocks = int(-(-context_lens.max() // BLOCK_SIZE))
     # Padding entries beyond a sequence's blocks hold arbitrary valid ids, as the runner's 0s.
     block_tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=g)[:max_blocks] for _ in range(num_seqs)])
-    query = torch.randn(num_seqs, num_heads, head_dim, generator=g).to(dtype)
+    query_dtype = torch.float32 if dtype == torch.int8 else dtype
+    query = torch.randn(num_seqs, num_heads, head_dim, generator=g).to(query_dtype)
     return query, key_cache, value_cache, block_tables, context_lens
 
 
@@ -118,6 +134,31 @@ def test_decode_kernel_bf16_matches_fp32_math(kernel, head_dim):
     torch.testing.assert_close(out.double(), expected, rtol=2 ** -8, atol=1e-3)
 
 
+@pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_over_an_int8_cache(kernel, head_dim, query_dtype):
+    """kv_cache_dtype="int8": the kernel widens each code exactly and folds its row's scale
+    into the score and the softmax weight, in fp32: fp64 math on the dequantized values agrees
+    as closely as an all-fp32 call (up to a bf16 rounding of the output), and so does the torch
+    path, which dequantizes."""
+    query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(
+        11, 9, 3, torch.int8, seed=head_dim + 1, head_dim=head_dim)
+    assert key_cache.shape[-1] == head_dim + 4
+    query = query.to(query_dtype)
+    scale = head_dim ** -0.5
+    expected = decode_reference(query, key_cache, value_cache, block_tables, context_lens, scale)
+    out = kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+    assert out.dtype == query_dtype and out.shape == query.shape
+    tolerance = dict(rtol=1e-5, atol=1e-5) if query_dtype == torch.float32 else dict(rtol=2 ** -8, atol=1e-3)
+    torch.testing.assert_close(out.double(), expected, **tolerance)
+    torch.testing.assert_close(
+        paged_decode_attention_torch(query.float(), key_cache, value_cache, block_tables, context_lens,
+                                     scale).double(), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="K/V cache rows must hold head_dim = 64 values and a 4-byte scale"):
+        kernel.paged_decode_attention(torch.randn(1, 9, 64), key_cache[..., :64].contiguous(),
+                                      value_cache[..., :64].contiguous(), block_tables[:1], context_lens[:1], scale)
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_decode_kernel_fp32_query_over_bf16_cache(kernel, head_dim):
     """kv_cache_dtype="bfloat16": the kernel widens each bf16 K/V element exactly and does fp32
@@ -133,14 +174,15 @@ def test_decode_kernel_fp32_query_over_bf16_cache(kernel, head_dim):
     torch.testing.assert_close(
         paged_decode_attention_torch(query, key_cache, value_cache, block_tables, context_lens, scale).double(),
         expected, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="K/V caches must share one dtype: the query's, or bfloat16"):
+    with pytest.raises(ValueError, match="K/V caches must share one dtype: the query's, bfloat16 or int8"):
         kernel.paged_decode_attention(query.bfloat16(), key_cache.float(), value_cache.float(), block_tables,
                                       context_lens, scale)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (4, 1, 256), (8, 2, 64)])
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                    (torch.float32, torch.bfloat16)])
+                                    (torch.float32, torch.bfloat16), (torch.float32, torch.int8),
+                                    (torch.bfloat16, torch.int8)])
 @pytest.mark.parametrize("window", [0, 40])
 def test_decode_kernel_work_splits_agree_bitwise(kernel, num_heads, num_kv_heads, head_dim, dtypes, window):
     """A batch of 16 sequences is split one item per sequence (every KV head of a block read
@@ -215,10 +257,12 @@ def test_decode_falls_back_to_torch_when_the_build_fails(monkeypatch, caplog):
 
 # 300 and 200 rows span several query blocks (QUERY_BLOCK = 128), the last one partial.
 @pytest.mark.parametrize("num_cached,q_len", [(0, 37), (16, 16), (23, 40), (150, 7), (0, 300), (50, 200)])
-def test_prefill_with_cached_context_matches_reference(num_cached, q_len):
-    """A chunk at positions [num_cached, num_cached + q_len) over a prefix already in the cache."""
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+def test_prefill_with_cached_context_matches_reference(num_cached, q_len, cache_dtype):
+    """A chunk at positions [num_cached, num_cached + q_len) over a prefix already in the cache;
+    an int8 cache holds the chunk's K/V within half a quantization step of each value."""
     num_heads, num_kv_heads = 6, 2
-    key_cache, value_cache, g = random_caches(num_kv_heads, torch.float32, seed=num_cached + q_len)
+    key_cache, value_cache, g = random_caches(num_kv_heads, cache_dtype, seed=num_cached + q_len)
     context_len = num_cached + q_len
     table = torch.randperm(NUM_BLOCKS, generator=g)[:-(-context_len // BLOCK_SIZE)]
     query = torch.randn(q_len, num_heads, HEAD_DIM, generator=g)
@@ -230,7 +274,10 @@ def test_prefill_with_cached_context_matches_reference(num_cached, q_len):
     scale = HEAD_DIM ** -0.5
     out = paged_attention(query, key, value, key_cache, value_cache, metadata, scale)
     # paged_attention wrote the chunk's K/V into its slots.
-    torch.testing.assert_close(key_cache.view(-1, num_kv_heads, HEAD_DIM)[slots], key)
+    for cache, rows in ((key_cache, key), (value_cache, value)):
+        written = cached_values(cache.view(-1, num_kv_heads, cache.shape[-1])[slots])
+        step = rows.abs().amax(-1, keepdim=True).double() / 127 if cache_dtype == torch.int8 else 0
+        assert ((written - rows.double()).abs() <= step / 2 * (1 + 1e-6)).all()
     expected = dense_reference(query, key_cache, value_cache, table.tolist(), context_len, list(positions), scale)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -283,14 +330,15 @@ def test_prefill_bf16_close_to_fp32(q_len):
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (4, 1, 256)])
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                    (torch.float32, torch.bfloat16)])
+                                    (torch.float32, torch.bfloat16), (torch.float32, torch.int8),
+                                    (torch.bfloat16, torch.int8)])
 @pytest.mark.parametrize("num_cached,q_len", [(0, 1), (0, 37), (23, 40), (150, 7), (5, 130)])
 def test_prefill_kernel_matches_reference_and_sdpa(kernel, num_heads, num_kv_heads, head_dim, dtypes,
                                                    num_cached, q_len):
     """The C++ prefill kernel (16 x 16 tiles, online softmax, K/V through the block table)
     against fp64 math on the cached values and against the SDPA path, for every dtype pair
-    and the head shapes of SmolLM2, Qwen2.5-0.5B and Gemma 3; chunks with and without a cached
-    prefix, partial tiles, a single token."""
+    (an int8 cache under either query dtype) and the head shapes of SmolLM2, Qwen2.5-0.5B and
+    Gemma 3; chunks with and without a cached prefix, partial tiles, a single token."""
     if not kernel.prefill_attention_supported(head_dim):
         pytest.skip("this build has no AVX-512 prefill kernel (prefill_attention uses SDPA)")
     query_dtype, cache_dtype = dtypes

@@ -32,7 +32,7 @@ EXISTING_FLAGS = {
     "enable_prefix_caching": (["--enable-prefix-caching", "--no-enable-prefix-caching"], None, None, True),
     "seed": (["--seed"], int, None, 0),
     "quantization": (["--quantization"], str, ["int8", "int4", "w8a8", "w4a8", "awq", "gptq", "compressed-tensors"], None),
-    "kv_cache_dtype": (["--kv-cache-dtype"], str, ["auto", "bfloat16", "float32"], "auto"),
+    "kv_cache_dtype": (["--kv-cache-dtype"], str, ["auto", "bfloat16", "float32", "int8"], "auto"),
 }
 
 

@@ -34,7 +34,7 @@ from tests.conftest import run_to_completion, tiny_config, tiny_state_dict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZATIONS = [None, "int8", "int4", "w8a8", "w4a8"]
-KV_CACHE_DTYPES = ["auto", "bfloat16"]
+KV_CACHE_DTYPES = ["auto", "bfloat16", "int8"]
 # |logprob difference| allowed between the C++ and the torch path: (largest, mean over the
 # prompt). fp32 with an fp32 KV cache: summation order only (measured: tiny model <= 2e-5,
 # SmolLM2 <= 4.1e-4 and mean 1.8e-4). With bf16 compute or a bf16 KV cache the paths also

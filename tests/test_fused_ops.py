@@ -133,9 +133,44 @@ def test_reshape_and_cache_rounds_fp32_rows_into_a_bf16_cache(native, monkeypatc
     monkeypatch.setattr(ops, "native_ops", lambda: None)
     for cached, rows in zip(write(), (key, value)):
         assert torch.equal(cached, rows.to(torch.bfloat16))
-    with pytest.raises(ValueError, match="the same or bfloat16 caches for float32 key/value"):
+    with pytest.raises(ValueError, match="the same, int8, or bfloat16 caches for float32 key/value"):
         native.reshape_and_cache_(key.bfloat16(), value.bfloat16(), torch.zeros(6, 4, num_kv, head_dim),
                                   torch.zeros(6, 4, num_kv, head_dim), slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_quantizes_rows_into_an_int8_cache(native, monkeypatch, dtype):
+    """kv_cache_dtype="int8": per token and KV head, codes round(x / scale) with scale =
+    max |x| / 127 in the row's last 4 bytes; natively bitwise what the torch fallback writes.
+    Each value comes back within half a step; a zero row comes back as zeros, a row holding
+    NaN or infinity as NaN."""
+    num_kv, head_dim = 3, 16
+    key, value = randn(6, num_kv * head_dim, seed=4).to(dtype), randn(6, num_kv * head_dim, seed=5).to(dtype)
+    key[1, :head_dim] = 0
+    key[2, head_dim] = float("nan")
+    value[3, 2 * head_dim + 1] = float("inf")
+    key[4, 5] = 1e-30  # a row whose values are all but one tiny
+    slots = torch.tensor([3, 0, 17, 8, 22, 11])
+
+    def write():
+        caches = [torch.zeros(6, 4, num_kv, head_dim + 4, dtype=torch.int8) for _ in range(2)]
+        ops.reshape_and_cache_(key, value, *caches, slots)
+        return caches
+
+    native_caches = write()
+    monkeypatch.setattr(ops, "native_ops", lambda: None)
+    torch_caches = write()
+    for native_cache, torch_cache, rows in zip(native_caches, torch_caches, (key, value)):
+        assert torch.equal(native_cache, torch_cache)
+        cached = native_cache.view(-1, num_kv, head_dim + 4)[slots]
+        values = ops.dequantize_kv(cached, torch.float32)
+        rows = rows.float().view(6, num_kv, head_dim)
+        scale = cached[..., head_dim:].contiguous().view(torch.float32)
+        finite = torch.isfinite(rows).all(-1)
+        torch.testing.assert_close(scale[finite], rows.abs().amax(-1, keepdim=True)[finite] / 127, rtol=0, atol=0)
+        assert ((values - rows).abs() <= scale / 2 * (1 + 1e-6))[finite].all()
+        assert values[~finite].isnan().all() and (~finite).sum() == 1
+    assert not ops.dequantize_kv(native_caches[0].view(-1, num_kv, head_dim + 4)[0, 0], torch.float32).any()
 
 
 def test_ops_fall_back_to_torch_without_the_extension(monkeypatch):
@@ -154,7 +189,8 @@ def test_ops_fall_back_to_torch_without_the_extension(monkeypatch):
     (torch.bfloat16, None, torch.bfloat16), (torch.bfloat16, "int8", torch.bfloat16),
     (torch.bfloat16, "int4", torch.bfloat16), (torch.float32, "w8a8", torch.float32),
     (torch.bfloat16, "w8a8", torch.bfloat16), (torch.float32, "w4a8", torch.float32),
-    (torch.bfloat16, "w4a8", torch.bfloat16)])
+    (torch.bfloat16, "w4a8", torch.bfloat16), (torch.float32, None, torch.int8),
+    (torch.bfloat16, "w8a8", torch.int8)])
 @pytest.mark.parametrize("attention_bias", [False, True])  # with a bias, w8a8's qkv has 4 tensors
 def test_decode_layer_op_equals_python_layers(dtype, quantization, kv_cache_dtype, attention_bias):
     """A decode step through the C++ ``decode_layers`` op (one call for all layers) gives bitwise the
@@ -167,7 +203,10 @@ def test_decode_layer_op_equals_python_layers(dtype, quantization, kv_cache_dtyp
     # Three sequences with 5, 9 and 2 tokens cached (random K/V), each decoding one token.
     for cache in runner.kv_caches:
         for tensor in cache:
-            tensor.copy_(torch.randn(tensor.shape, generator=g))
+            if tensor.dtype == torch.int8:
+                tensor.copy_(ops.quantize_kv(torch.randn(*tensor.shape[:-1], config.head_dim, generator=g)))
+            else:
+                tensor.copy_(torch.randn(tensor.shape, generator=g))
     tables = torch.tensor([[0, 1, 0], [2, 3, 4], [5, 0, 0]])
     context_lens = torch.tensor([6, 10, 3])
     positions = context_lens - 1

@@ -33,7 +33,7 @@ needs_gemma = pytest.mark.skipif(not NAMED_MODELS[GEMMA].is_installed(),
 # windows of one token, shorter than a block, not block-aligned, and longer than any context.
 @pytest.mark.parametrize("head_dim", [48, 64, 256])
 @pytest.mark.parametrize("window", [1, 5, 37, 1000])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_sliding_window_decode_native_and_torch_match_reference(head_dim, window, cache_dtype):
     kernel = native_ops()
     assert kernel is not None, "the C++ kernel did not build"

@@ -1,6 +1,6 @@
-"""``kv_cache_dtype="bfloat16"`` under fp32 compute: twice the blocks for the same bytes, K/V
-rounded once when written, and every path (decode kernel, prefill, chunked prefill, prefix
-cache, recompute after preemption) reading the same rounded values."""
+"""``kv_cache_dtype="bfloat16"`` under fp32 compute and ``kv_cache_dtype="int8"``: more blocks for
+the same bytes, K/V rounded (or quantized) once when written, and every path (decode kernel,
+prefill, chunked prefill, prefix cache, recompute after preemption) reading the same values."""
 
 from __future__ import annotations
 
@@ -52,26 +52,32 @@ def assert_same(actual, expected) -> None:
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-3)
 
 
-def test_bfloat16_cache_holds_twice_the_blocks_of_a_float32_one():
+def test_smaller_caches_hold_more_blocks():
     budget = 3 * 2**20
     blocks = {kv: make_engine(kv, num_gpu_blocks_override=None, kv_cache_memory_bytes=budget).num_blocks
-              for kv in ("auto", "float32", "bfloat16")}
+              for kv in ("auto", "float32", "bfloat16", "int8")}
     # 2 layers x (K + V) x 4 tokens x 2 KV heads x 64 dims = 2,048 elements per block.
     assert blocks["auto"] == blocks["float32"] == budget // (2048 * 4)
     assert blocks["bfloat16"] == budget // (2048 * 2) == 2 * blocks["float32"]
+    # int8: 64 one-byte codes and a 4-byte scale per token and KV head.
+    assert blocks["int8"] == budget // (2 * 2 * 4 * 2 * 68)
     engine = make_engine("bfloat16")
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in engine.model_runner.kv_caches)
+    engine = make_engine("int8")
+    assert all(k.dtype == v.dtype == torch.int8 and k.shape == (128, 4, 2, 68) for k, v in engine.model_runner.kv_caches)
+    assert engine.bytes_per_block == 2 * 2 * 4 * 2 * 68
 
 
 @pytest.mark.parametrize("head_dim", [64, 16])  # the AVX-512 kernel and the generic one
-def test_decode_equals_recomputing_the_whole_sequence(head_dim):
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8"])
+def test_decode_equals_recomputing_the_whole_sequence(head_dim, kv_cache_dtype):
     """Each decode step reads the rounded K/V of earlier steps; recomputing the sequence from
     scratch (prefill of prompt + tokens so far, one token at a time) rounds the same values."""
     prompt = [random.Random(0).randrange(TINY_VOCAB) for _ in range(23)]
-    decoded = generate(make_engine("bfloat16", head_dim), [prompt], 20)
+    decoded = generate(make_engine(kv_cache_dtype, head_dim), [prompt], 20)
     tokens, logprobs = [], []
     for _ in range(20):
-        [(token, logprob)] = generate(make_engine("bfloat16", head_dim), [prompt + tokens], 1)
+        [(token, logprob)] = generate(make_engine(kv_cache_dtype, head_dim), [prompt + tokens], 1)
         tokens += token
         logprobs += logprob
     assert_same(decoded, [(tokens, logprobs)])
@@ -79,23 +85,25 @@ def test_decode_equals_recomputing_the_whole_sequence(head_dim):
     assert max(abs(a - b) for a, b in zip(unrounded[0][1], logprobs)) > 1e-2  # the test can tell
 
 
-def test_chunked_prefill_prefix_cache_and_preemption_read_the_same_values():
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8"])
+def test_chunked_prefill_prefix_cache_and_preemption_read_the_same_values(kv_cache_dtype):
     rng = random.Random(1)
     shared = [rng.randrange(TINY_VOCAB) for _ in range(24)]
     prompts = [shared + [rng.randrange(TINY_VOCAB) for _ in range(n)] for n in (3, 17, 30, 9)]
-    expected = [generate(make_engine("bfloat16", enable_prefix_caching=False), [p], 24)[0] for p in prompts]
-    chunked = generate(make_engine("bfloat16", max_num_batched_tokens=16, enable_prefix_caching=False), prompts, 24)
+    expected = [generate(make_engine(kv_cache_dtype, enable_prefix_caching=False), [p], 24)[0] for p in prompts]
+    chunked = generate(make_engine(kv_cache_dtype, max_num_batched_tokens=16, enable_prefix_caching=False),
+                       prompts, 24)
     assert_same(chunked, expected)
-    engine = make_engine("bfloat16")  # prefix caching on: later prompts hit the shared blocks
+    engine = make_engine(kv_cache_dtype)  # prefix caching on: later prompts hit the shared blocks
     assert_same([generate(engine, [p], 24)[0] for p in prompts], expected)
     assert engine.kv_cache_manager.prefix_cache_hits > 0
-    tight = make_engine("bfloat16", num_gpu_blocks_override=30, max_model_len=120)
+    tight = make_engine(kv_cache_dtype, num_gpu_blocks_override=30, max_model_len=120)
     assert_same(generate(tight, prompts, 24), expected)
     assert tight.scheduler.num_preemptions > 0
 
 
 def test_kv_cache_dtype_is_validated():
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'bfloat16', 'float32'\], "
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'bfloat16', 'float32', 'int8'\], "
                                          r"got 'fp8' \(fp8 KV caches are not supported on the CPU\)"):
         EngineArgs.from_kwargs(kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"got 'bf16'$"):

@@ -3,12 +3,17 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <cstdint>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 namespace pagedllm_vec {
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const int8_t* p) {  // int8 KV cache codes, widened exactly
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));

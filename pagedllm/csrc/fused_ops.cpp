@@ -15,6 +15,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -346,23 +347,56 @@ std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits) {
   return {argmax, lse};
 }
 
+// One KV head's row of head_dim values as int8 codes and their fp32 scale (kv_cache_dtype="int8",
+// layout in ops.h): scale = max |x| / 127, code = round-half-even(x / scale), in fp32 divisions,
+// so the codes equal pagedllm/layers/attention.py quantize_kv's bit for bit. A row of zeros, or
+// one holding NaN or infinity, gets codes 0 and its scale 0, NaN or infinity, so it reads back as
+// zeros or NaN.
+template <typename T>
+inline void quantize_kv_row(int8_t* dst, const T* x, int64_t head_dim) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float v = to_float(x[d]);
+    nan |= std::isnan(v);
+    amax = std::max(amax, std::fabs(v));
+  }
+  const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+  const bool finite = scale > 0.f && std::isfinite(scale);
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float code = finite ? std::nearbyint(to_float(x[d]) / scale) : 0.f;
+    dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, code)));
+  }
+  std::memcpy(dst + head_dim, &scale, sizeof(scale));
+}
+
 // Copies each token's K/V rows [tokens, num_kv_heads * head_dim] (row stride free) into its
 // slot of the caches [num_blocks, block_size, num_kv_heads, head_dim], converting float32 rows
-// to bfloat16 for a bfloat16 cache (kv_cache_dtype="bfloat16").
+// to bfloat16 for a bfloat16 cache (kv_cache_dtype="bfloat16"), or quantizing float32 and
+// bfloat16 rows into an int8 cache [..., head_dim + 4] (kv_cache_dtype="int8", quantize_kv_row).
 void reshape_and_cache_(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                         at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK_VALUE(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 4 &&
                         key_cache.sizes() == value_cache.sizes(),
                     "K/V caches must be contiguous [num_blocks, block_size, kv_heads, head_dim] of one shape");
-  const int64_t width = key_cache.size(2) * key_cache.size(3);
+  const bool to_int8 = key_cache.scalar_type() == at::kChar;
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t head_dim = key_cache.size(3) - (to_int8 ? kKvScaleBytes : 0);
+  TORCH_CHECK_VALUE(head_dim > 0, "an int8 K/V cache row must hold head_dim values and a 4-byte scale");
+  const int64_t width = num_kv_heads * head_dim;
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
   check_rows(key, "key", width);
   check_rows(value, "value", width);
   const bool to_bf16 = key.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kBFloat16;
   TORCH_CHECK_VALUE(value.scalar_type() == key.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type() &&
-                        (key_cache.scalar_type() == key.scalar_type() || to_bf16),
-                    "key and value must share one dtype and the caches one dtype, the same or bfloat16 caches "
-                    "for float32 key/value (got key ", key.scalar_type(), ", key_cache ", key_cache.scalar_type(), ")");
+                        (key_cache.scalar_type() == key.scalar_type() || to_bf16 || to_int8),
+                    "key and value must share one dtype and the caches one dtype, the same, int8, or bfloat16 "
+                    "caches for float32 key/value (got key ", key.scalar_type(), ", key_cache ",
+                    key_cache.scalar_type(), ")");
+  if (to_int8) {
+    TORCH_CHECK_VALUE(key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16,
+                      "an int8 K/V cache takes float32 or bfloat16 key/value, got ", key.scalar_type());
+  }
   TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                         slot_mapping.numel() == key.size(0) && value.size(0) == key.size(0),
                     "slot_mapping must be contiguous int64 [tokens]");
@@ -371,7 +405,7 @@ void reshape_and_cache_(const at::Tensor& key, const at::Tensor& value, at::Tens
     TORCH_CHECK_VALUE(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
                       " is outside [0, ", num_slots, ")");
   }
-  const int64_t row_bytes = width * key_cache.element_size();
+  const int64_t row_bytes = num_kv_heads * key_cache.size(3) * key_cache.element_size();
   const char* kp = static_cast<const char*>(key.data_ptr());
   const char* vp = static_cast<const char*>(value.data_ptr());
   char* kc = static_cast<char*>(key_cache.data_ptr());
@@ -379,6 +413,19 @@ void reshape_and_cache_(const at::Tensor& key, const at::Tensor& value, at::Tens
   const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
   // Rounded to nearest even, as torch's .to(torch.bfloat16).
   auto store = [&](char* dst, const char* src) {
+    if (to_int8) {
+      int8_t* to = reinterpret_cast<int8_t*>(dst);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        if (key.scalar_type() == at::kFloat) {
+          quantize_kv_row(to + h * (head_dim + kKvScaleBytes), reinterpret_cast<const float*>(src) + h * head_dim,
+                          head_dim);
+        } else {
+          quantize_kv_row(to + h * (head_dim + kKvScaleBytes),
+                          reinterpret_cast<const c10::BFloat16*>(src) + h * head_dim, head_dim);
+        }
+      }
+      return;
+    }
     if (!to_bf16) {
       std::memcpy(dst, src, row_bytes);
       return;

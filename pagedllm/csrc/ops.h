@@ -5,9 +5,33 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <cstring>
 #include <optional>
+#include <type_traits>
 
 namespace pagedllm {
+
+// An int8 KV cache (kv_cache_dtype="int8") holds each token's row of one KV head as head_dim
+// int8 codes followed by their fp32 scale (kKvScaleBytes bytes): the value is code * scale.
+// The caches are then [num_blocks, block_size, num_kv_heads, head_dim + kKvScaleBytes] int8.
+constexpr int64_t kKvScaleBytes = 4;
+
+// Elements a cache row of element type C holds beyond its head_dim values.
+template <typename C>
+constexpr int64_t kv_row_extra() { return std::is_same_v<C, int8_t> ? kKvScaleBytes : 0; }
+
+// The scale of the cache row that starts at `row` (1 for a float or bfloat16 cache).
+template <typename C>
+inline float kv_row_scale(const C* row, int64_t head_dim) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    float scale;
+    std::memcpy(&scale, row + head_dim, sizeof(scale));
+    return scale;
+  } else {
+    return 1.f;
+  }
+}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);

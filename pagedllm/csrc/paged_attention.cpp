@@ -9,7 +9,9 @@
 // Layouts (all row-major):
 //   query        [num_seqs, num_heads, head_dim]   (head_dim contiguous; other strides free)
 //   key/value    [num_blocks, block_size, num_kv_heads, head_dim] contiguous, the query's dtype
-//                or bfloat16 under an fp32 query (kv_cache_dtype="bfloat16": half the bytes)
+//                or bfloat16 under an fp32 query (kv_cache_dtype="bfloat16": half the bytes);
+//                or int8 rows of head_dim + 4 (kv_cache_dtype="int8": codes, then their fp32
+//                scale; ops.h), whose scale multiplies each score and each softmax weight
 //   block_tables [num_seqs, max_blocks] int64, context_lens [num_seqs] int64
 //   sliding_window > 0: each query attends to the last sliding_window tokens of its context only
 //                (positions context_len - sliding_window .. context_len - 1, as HF's
@@ -38,6 +40,7 @@ namespace pagedllm {
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 // Calls f(row, next, first, count) for the blocks holding tokens start .. context_len - 1 of one
 // KV head's cached context (base points at the head's first element in block 0): row points at
@@ -96,7 +99,8 @@ using pagedllm_vec::load16;
 constexpr int kMaxGroup = 4;
 
 // Scores of kGroup query heads (consecutive, one KV head's) for `count` token rows of a block:
-// scores[g * n + slot] = scale * q_g . k_slot. rows: the KV head's part of the first row;
+// scores[g * n + slot] = scale * q_g . k_slot (times the row's scale in an int8 cache). rows: the
+// KV head's part of the first row;
 // next: the same row of the next block, prefetched `prefetch_bytes` per row.
 template <typename T, typename C, int kHeadDim, int kGroup>
 inline void group_scores(const T* q, int64_t q_head_stride, float scale, const C* rows, const C* next,
@@ -113,15 +117,21 @@ inline void group_scores(const T* q, int64_t q_head_stride, float scale, const C
     const C* k = rows + slot * token_stride;
     __m512 kv[kChunks];
     for (int c = 0; c < kChunks; ++c) kv[c] = load16(k + 16 * c);
+    const float row_scale = kv_row_scale(k, kHeadDim);
     for (int g = 0; g < kGroup; ++g) {
       __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
       for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-      scores[g * n + slot] = _mm512_reduce_add_ps(acc);
+      if constexpr (kv_row_extra<C>() > 0) {
+        scores[g * n + slot] = _mm512_reduce_add_ps(acc) * row_scale;
+      } else {
+        scores[g * n + slot] = _mm512_reduce_add_ps(acc);
+      }
     }
   }
 }
 
-// acc[g * kHeadDim ..] += sum over `count` rows of p[g * n + slot] * v_slot, for kGroup heads.
+// acc[g * kHeadDim ..] += sum over `count` rows of p[g * n + slot] * v_slot, for kGroup heads
+// (p times the row's scale in an int8 cache).
 // The accumulators live in registers for the block (indexed [g][c] in place, GCC kept them in
 // memory and stored all of them after every row: 2x slower).
 template <typename C, int kHeadDim, int kGroup>
@@ -135,8 +145,9 @@ inline void group_accumulate(const float* p, int64_t n, const C* rows, const C* 
     const C* v = rows + slot * token_stride;
     __m512 vv[kChunks];
     for (int c = 0; c < kChunks; ++c) vv[c] = load16(v + 16 * c);
+    const float row_scale = kv_row_scale(v, kHeadDim);
     for (int g = 0; g < kGroup; ++g) {
-      const __m512 w = _mm512_set1_ps(p[g * n + slot]);
+      const __m512 w = _mm512_set1_ps(kv_row_extra<C>() > 0 ? p[g * n + slot] * row_scale : p[g * n + slot]);
       for (int c = 0; c < kChunks; ++c) a[g * kChunks + c] = _mm512_fmadd_ps(w, vv[c], a[g * kChunks + c]);
     }
   }
@@ -193,10 +204,11 @@ void attend_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* 
                    float* scores, float* acc, float* inv_sum, T* out) {
   const int64_t n = context_len - start;
   const int64_t first_head = kv_head_begin * group, heads = (kv_head_end - kv_head_begin) * group;
+  constexpr int64_t kRow = kHeadDim + kv_row_extra<C>();  // cache elements per KV head row
   // The first KV head's rows prefetch the next block's whole span of the walked heads.
-  const int64_t span_bytes = (kv_head_end - kv_head_begin) * kHeadDim * static_cast<int64_t>(sizeof(C));
-  const int64_t head_bytes = kHeadDim * static_cast<int64_t>(sizeof(C));
-  const int64_t offset = kv_head_begin * kHeadDim;
+  const int64_t span_bytes = (kv_head_end - kv_head_begin) * kRow * static_cast<int64_t>(sizeof(C));
+  const int64_t head_bytes = kRow * static_cast<int64_t>(sizeof(C));
+  const int64_t offset = kv_head_begin * kRow;
   for_each_cached_block(k_base + offset, table, start, context_len, block_size, block_stride, token_stride,
                         [&](const C* block, const C* next, int64_t first, int64_t count) {
     for (int64_t h = 0; h < kv_head_end - kv_head_begin; ++h) {
@@ -204,8 +216,8 @@ void attend_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* 
         const int64_t head = h * group + g0;
         with_group(group - g0, [&](auto size) {
           group_scores<T, C, kHeadDim, decltype(size)::value>(
-              q + (first_head + head) * q_head_stride, q_head_stride, scale, block + h * kHeadDim,
-              next + h * kHeadDim, count, token_stride, head == 0 ? span_bytes : (g0 == 0 ? head_bytes : 0),
+              q + (first_head + head) * q_head_stride, q_head_stride, scale, block + h * kRow,
+              next + h * kRow, count, token_stride, head == 0 ? span_bytes : (g0 == 0 ? head_bytes : 0),
               scores + head * n + first, n);
         });
       }
@@ -220,7 +232,7 @@ void attend_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* 
         const int64_t head = h * group + g0;
         with_group(group - g0, [&](auto size) {
           group_accumulate<C, kHeadDim, decltype(size)::value>(
-              scores + head * n + first, n, block + h * kHeadDim, next + h * kHeadDim, count, token_stride,
+              scores + head * n + first, n, block + h * kRow, next + h * kRow, count, token_stride,
               head == 0 ? span_bytes : (g0 == 0 ? head_bytes : 0), acc + head * kHeadDim);
         });
       }
@@ -255,7 +267,8 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t max_blocks = block_tables.size(1);
   const int64_t q_seq_stride = query.stride(0);
   const int64_t q_head_stride = query.stride(1);
-  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t row_len = head_dim + kv_row_extra<C>();  // cache elements per KV head row
+  const int64_t token_stride = num_kv_heads * row_len;
   const int64_t block_stride = block_size * token_stride;
 
   const T* q_base = query.data_ptr<T>();
@@ -315,9 +328,9 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         float* qf = q_f.data();
         for (int64_t d = 0; d < head_dim; ++d) qf[d] = to_float(q[d]) * scale;
 
-        const int64_t row_bytes = head_dim * sizeof(C);
+        const int64_t row_bytes = row_len * sizeof(C);
         float max_score = -std::numeric_limits<float>::infinity();
-        for_each_cached_block(k_base + kv_head * head_dim, table, start, context_len, block_size, block_stride,
+        for_each_cached_block(k_base + kv_head * row_len, table, start, context_len, block_size, block_stride,
                               token_stride,
                               [&](const C* block, const C* next, int64_t first, int64_t count) {
           for (int64_t slot = 0; slot < count; ++slot) {
@@ -326,6 +339,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < head_dim; ++d) dot += qf[d] * to_float(k[d]);
+            if constexpr (kv_row_extra<C>() > 0) dot *= kv_row_scale(k, head_dim);
             scores[first + slot] = dot;
             max_score = std::max(max_score, dot);
           }
@@ -339,13 +353,13 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
 
         float* a = acc.data();
         for (int64_t d = 0; d < head_dim; ++d) a[d] = 0.f;
-        for_each_cached_block(v_base + kv_head * head_dim, table, start, context_len, block_size, block_stride,
+        for_each_cached_block(v_base + kv_head * row_len, table, start, context_len, block_size, block_stride,
                               token_stride,
                               [&](const C* block, const C* next, int64_t first, int64_t count) {
           for (int64_t slot = 0; slot < count; ++slot) {
             prefetch_row(next + slot * token_stride, row_bytes);
             const C* v = block + slot * token_stride;
-            const float p = scores[first + slot];
+            const float p = scores[first + slot] * kv_row_scale(v, head_dim);
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
           }
@@ -383,11 +397,15 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK_VALUE(query.dim() == 3 && query.stride(2) == 1, "query must be [seqs, heads, head_dim] with contiguous head_dim");
   TORCH_CHECK_VALUE(key_cache.is_contiguous() && value_cache.is_contiguous(), "K/V caches must be contiguous");
   TORCH_CHECK_VALUE(key_cache.sizes() == value_cache.sizes(), "K and V caches differ in shape");
-  TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.size(3) == query.size(2), "K/V cache head_dim differs from the query's");
+  const bool int8_cache = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.size(3) == query.size(2) + (int8_cache ? kKvScaleBytes : 0),
+                    "K/V cache rows must hold head_dim = ", query.size(2), " values",
+                    int8_cache ? " and a 4-byte scale (int8 cache)" : "", ", got ", key_cache.size(3));
   TORCH_CHECK_VALUE(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type() &&
-                        (key_cache.scalar_type() == query.scalar_type() || key_cache.scalar_type() == at::kBFloat16),
-                    "K/V caches must share one dtype: the query's, or bfloat16 (got query ", query.scalar_type(),
+                        (key_cache.scalar_type() == query.scalar_type() || key_cache.scalar_type() == at::kBFloat16 ||
+                         int8_cache),
+                    "K/V caches must share one dtype: the query's, bfloat16 or int8 (got query ", query.scalar_type(),
                     ", caches ", key_cache.scalar_type(), ")");
   TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
                   block_tables.size(0) == query.size(0),
@@ -398,7 +416,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   if (query.size(0) == 0) return out;
   const float s = static_cast<float>(scale);
-  if (query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat) {
+  if (int8_cache && query.scalar_type() == at::kFloat) {
+    dispatch_head_dim<float, int8_t>(out, query, key_cache, value_cache, block_tables, context_lens, s, sliding_window);
+  } else if (int8_cache && query.scalar_type() == at::kBFloat16) {
+    dispatch_head_dim<c10::BFloat16, int8_t>(out, query, key_cache, value_cache, block_tables, context_lens, s,
+                                             sliding_window);
+  } else if (query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat) {
     dispatch_head_dim<float, float>(out, query, key_cache, value_cache, block_tables, context_lens, s, sliding_window);
   } else if (query.scalar_type() == at::kFloat) {
     dispatch_head_dim<float, c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens, s, sliding_window);

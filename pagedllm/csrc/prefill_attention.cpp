@@ -6,7 +6,8 @@
 //
 //   query  [q_len, num_heads, head_dim], queries at positions context_len - q_len .. context_len - 1
 //   caches [num_blocks, block_size, num_kv_heads, head_dim] (the query's dtype, or bfloat16 under
-//          an fp32 query), block_table [>= ceil(context_len / block_size)] int64
+//          an fp32 query), or int8 rows of head_dim + 4 (codes, then their fp32 scale; ops.h),
+//          block_table [>= ceil(context_len / block_size)] int64
 //   out    [q_len, num_heads, head_dim] contiguous, the query's dtype
 // Query i sees keys 0 .. context_len - q_len + i. Scores, softmax and the weighted sum are fp32.
 //
@@ -44,6 +45,7 @@ using pagedllm_vec::store16;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 // Rows of the output accumulator kept in registers while a key tile is added: 16 zmm.
 template <int kHeadDim>
@@ -57,7 +59,8 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   const int64_t q_len = query.size(0), num_heads = query.size(1);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * kHeadDim, block_stride = block_size * token_stride;
+  constexpr int64_t kRow = kHeadDim + kv_row_extra<C>();  // cache elements per KV head row
+  const int64_t token_stride = num_kv_heads * kRow, block_stride = block_size * token_stride;
   const int64_t q_token_stride = query.stride(0), q_head_stride = query.stride(1);
   const int64_t first_pos = context_len - q_len;
   const int64_t padded = (context_len + kTile - 1) / kTile * kTile;
@@ -69,13 +72,18 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
     return base + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
   };
 
-  // K transposed: kt[(kv_head * kHeadDim + d) * padded + pos], zero past context_len.
+  // K transposed and scaled: kt[(kv_head * kHeadDim + d) * padded + pos], zero past context_len.
   std::vector<float> kt(static_cast<size_t>(num_kv_heads * kHeadDim * padded), 0.f);
   at::parallel_for(0, context_len, 256, [&](int64_t begin, int64_t end) {
     for (int64_t pos = begin; pos < end; ++pos) {
       const C* row = row_of(k_base, pos);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        for (int d = 0; d < kHeadDim; ++d) kt[(h * kHeadDim + d) * padded + pos] = to_float(row[h * kHeadDim + d]);
+        const C* head_row = row + h * kRow;
+        const float row_scale = kv_row_scale(head_row, kHeadDim);
+        for (int d = 0; d < kHeadDim; ++d) {
+          kt[(h * kHeadDim + d) * padded + pos] =
+              kv_row_extra<C>() > 0 ? to_float(head_row[d]) * row_scale : to_float(head_row[d]);
+        }
       }
     }
   });
@@ -129,7 +137,11 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
         // o = alpha * o + p @ v over the tile's keys, kRows query rows at a time in registers.
         const int64_t keys = std::min(kTile, last_pos + 1 - key0);
         const C* v_rows[kTile];
-        for (int64_t j = 0; j < keys; ++j) v_rows[j] = row_of(v_base, key0 + j) + kv_head * kHeadDim;
+        float v_scales[kTile];
+        for (int64_t j = 0; j < keys; ++j) {
+          v_rows[j] = row_of(v_base, key0 + j) + kv_head * kRow;
+          v_scales[j] = kv_row_scale(v_rows[j], kHeadDim);
+        }
         for (int r0 = 0; r0 < kTile; r0 += kRows) {
           __m512 acc[kRows * kChunks];
           for (int r = 0; r < kRows; ++r) {
@@ -142,7 +154,8 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
             __m512 v[kChunks];
             for (int c = 0; c < kChunks; ++c) v[c] = load16(v_rows[j] + 16 * c);
             for (int r = 0; r < kRows; ++r) {
-              const __m512 w = _mm512_set1_ps(p[(r0 + r) * kTile + j]);
+              const float pj = p[(r0 + r) * kTile + j];
+              const __m512 w = _mm512_set1_ps(kv_row_extra<C>() > 0 ? pj * v_scales[j] : pj);
               for (int c = 0; c < kChunks; ++c) acc[r * kChunks + c] = _mm512_fmadd_ps(w, v[c], acc[r * kChunks + c]);
             }
           }
@@ -187,13 +200,17 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
   TORCH_CHECK_VALUE(query.dim() == 3 && query.stride(2) == 1, "query must be [q_len, heads, head_dim] with contiguous head_dim");
   TORCH_CHECK_VALUE(prefill_attention_supported(query.size(2)),
                     "paged_prefill_attention: head_dim ", query.size(2), " is not supported by this build");
+  const bool int8_cache = key_cache.scalar_type() == at::kChar;
   TORCH_CHECK_VALUE(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 4 &&
-                        key_cache.sizes() == value_cache.sizes() && key_cache.size(3) == query.size(2),
-                    "K/V caches must be contiguous [num_blocks, block_size, kv_heads, head_dim] of one shape");
+                        key_cache.sizes() == value_cache.sizes() &&
+                        key_cache.size(3) == query.size(2) + (int8_cache ? kKvScaleBytes : 0),
+                    "K/V caches must be contiguous [num_blocks, block_size, kv_heads, head_dim] of one shape "
+                    "(head_dim + 4 in an int8 cache)");
   TORCH_CHECK_VALUE(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type() &&
-                        (key_cache.scalar_type() == query.scalar_type() || key_cache.scalar_type() == at::kBFloat16),
-                    "K/V caches must share one dtype: the query's, or bfloat16");
+                        (key_cache.scalar_type() == query.scalar_type() || key_cache.scalar_type() == at::kBFloat16 ||
+                         int8_cache),
+                    "K/V caches must share one dtype: the query's, bfloat16 or int8");
   const int64_t block_size = key_cache.size(1);
   TORCH_CHECK_VALUE(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 1,
                     "block_table must be contiguous int64 [blocks]");
@@ -209,7 +226,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
 #if defined(__AVX512F__)
   const float s = static_cast<float>(scale);
-  if (query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat) {
+  if (int8_cache && query.scalar_type() == at::kFloat) {
+    dispatch<float, int8_t>(out, query, key_cache, value_cache, table, context_len, s);
+  } else if (int8_cache) {
+    TORCH_CHECK_VALUE(query.scalar_type() == at::kBFloat16, "paged_prefill_attention supports float32 and bfloat16");
+    dispatch<c10::BFloat16, int8_t>(out, query, key_cache, value_cache, table, context_len, s);
+  } else if (query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat) {
     dispatch<float, float>(out, query, key_cache, value_cache, table, context_len, s);
   } else if (query.scalar_type() == at::kFloat) {
     dispatch<float, c10::BFloat16>(out, query, key_cache, value_cache, table, context_len, s);

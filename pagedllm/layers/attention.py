@@ -2,7 +2,11 @@
 
 The KV cache of one layer is two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``,
 in the compute dtype or, with ``kv_cache_dtype="bfloat16"`` under fp32 compute, in bfloat16
-(K/V are rounded when written and widened to fp32 when read; all arithmetic stays fp32). A
+(K/V are rounded when written and widened to fp32 when read; all arithmetic stays fp32).
+With ``kv_cache_dtype="int8"`` they are int8 ``[num_blocks, block_size, num_kv_heads, head_dim
++ 4]``: each KV head's row is quantized when written (``quantize_kv``: symmetric, one fp32 scale
+per token and KV head, stored in the row's last 4 bytes) and read as ``code * scale``; the
+kernels fold the scale into each score and softmax weight. A
 token at position ``p`` of a sequence lives in slot ``p % block_size`` of physical block
 ``block_table[p // block_size]``; its flat slot index (``slot_mapping``) is
 ``block_id * block_size + p % block_size``.
@@ -23,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.ops import native_ops, reshape_and_cache_
+from pagedllm.layers.ops import dequantize_kv, native_ops, quantize_kv, reshape_and_cache_
 
 
 @dataclass
@@ -63,6 +67,19 @@ class AttentionMetadata:
     prefills: list[PrefillSequence] = field(default_factory=list)
 
 
+def read_kv_cache(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows ``[..., row_width]`` as ``[..., head_dim]`` values in ``dtype``."""
+    return dequantize_kv(rows, dtype) if rows.dtype == torch.int8 else rows.to(dtype)
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` ``[..., head_dim]`` as a cache of ``cache_dtype`` gives it back: rounded to bfloat16
+    or through int8 and back, in ``x``'s dtype."""
+    if cache_dtype == torch.int8:
+        return dequantize_kv(quantize_kv(x), x.dtype)
+    return x.to(cache_dtype).to(x.dtype) if cache_dtype != x.dtype else x
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their slots, in place."""
@@ -84,7 +101,7 @@ def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
     Args:
         query: ``[num_seqs, num_heads, head_dim]``.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, the
-            query's dtype or bfloat16.
+            query's dtype or bfloat16; or int8 ``[..., head_dim + 4]`` (``quantize_kv``).
         block_tables: ``[num_seqs, max_blocks]`` int64; entries past a sequence's last block
             must still be valid block ids (0 is used as padding).
         context_lens: ``[num_seqs]`` int64 in ``[1, max_blocks * block_size]``.
@@ -96,11 +113,11 @@ def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
         ``[num_seqs, num_heads, head_dim]`` in the query's dtype.
     """
     num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    _, block_size, num_kv_heads, row_width = key_cache.shape
     max_len = block_tables.shape[1] * block_size
-    keys = key_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = value_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    keys, values = keys.to(query.dtype), values.to(query.dtype)
+    keys = read_kv_cache(key_cache[block_tables].view(num_seqs, max_len, num_kv_heads, row_width), query.dtype)
+    values = read_kv_cache(value_cache[block_tables].view(num_seqs, max_len, num_kv_heads, row_width), query.dtype)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     positions = torch.arange(max_len)
     mask = positions[None, :] < context_lens[:, None]
     if sliding_window is not None:
@@ -186,7 +203,8 @@ def prefill_attention_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.
     table, a copy of ``context_len`` K/V rows, small next to the ``q_len x context_len``
     attention itself.
 
-    Every K/V row is used as the cache holds it (rounded to bfloat16 under a bfloat16 cache),
+    Every K/V row is used as the cache holds it (rounded to bfloat16 under a bfloat16 cache,
+    through int8 under an int8 one),
     so a prompt gets the same attention whether it is computed in one chunk or several.
 
     Args:
@@ -208,16 +226,16 @@ def prefill_attention_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.
     ctx = seq.context_len
     window = sliding_window if sliding_window is not None and sliding_window < ctx else None
     if ctx == q_len and window is None:
-        if key_cache.dtype != key.dtype:
-            key, value = key.to(key_cache.dtype).to(key.dtype), value.to(key_cache.dtype).to(key.dtype)
+        key, value = as_cached(key, key_cache.dtype), as_cached(value, value_cache.dtype)
         out = F.scaled_dot_product_attention(q, _expand_kv_heads(key, group),
                                              _expand_kv_heads(value, group), is_causal=True,
                                              scale=scale)
         return out[0].transpose(0, 1)
     # The chunk's first query (position ctx - q_len) sees keys from position ``first`` on.
     first = 0 if window is None else max(0, ctx - q_len - window + 1)
-    keys = key_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[first:ctx].to(query.dtype)
-    values = value_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[first:ctx].to(query.dtype)
+    row_width = key_cache.shape[-1]
+    keys = read_kv_cache(key_cache[seq.block_table].view(-1, num_kv_heads, row_width)[first:ctx], query.dtype)
+    values = read_kv_cache(value_cache[seq.block_table].view(-1, num_kv_heads, row_width)[first:ctx], query.dtype)
     # Bottom-right aligned causal mask: query i (position ctx - q_len + i) sees keys up to that
     # position, and within a window only the last ``window`` of them.
     query_pos = torch.arange(ctx - q_len, ctx)[:, None]

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagedllm.config import KV_SCALE_BYTES
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -187,13 +189,43 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return ops.silu_and_mul(x)
 
 
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """Rows of K or V as int8 cache rows (``kv_cache_dtype="int8"``).
+
+    Symmetric per row: ``scale = max |x| / 127`` (fp32), ``code = round(x / scale)`` (half to
+    even), the scale's 4 bytes appended. A row of zeros, or one holding NaN or infinity, gets
+    codes 0 and its scale (0, NaN or infinity), so it reads back as zeros or NaN. The C++
+    ``reshape_and_cache_`` writes the same bytes (tested bitwise).
+
+    Args:
+        x: ``[..., head_dim]`` float32 or bfloat16.
+
+    Returns:
+        ``[..., head_dim + 4]`` int8.
+    """
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    usable = (scale > 0) & torch.isfinite(scale)
+    codes = torch.round(x / torch.where(usable, scale, 1.0)).clamp_(-127, 127).masked_fill_(~usable, 0)
+    return torch.cat([codes.to(torch.int8), scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Int8 cache rows ``[..., head_dim + 4]`` as ``[..., head_dim]`` values ``code * scale``
+    (computed in fp32, returned in ``dtype``)."""
+    head_dim = rows.shape[-1] - KV_SCALE_BYTES
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)
+    return (rows[..., :head_dim].float() * scale).to(dtype)
+
+
 def reshape_and_cache_(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                        value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store new K/V ``[tokens, num_kv_heads * head_dim]`` into their flat slots, in place.
 
     Args:
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, the dtype
-            of key/value or bfloat16 for float32 key/value (rows rounded to nearest even).
+            of key/value or bfloat16 for float32 key/value (rows rounded to nearest even); or
+            int8 ``[..., head_dim + 4]``, each KV head's row quantized (``quantize_kv``).
         slot_mapping: ``[tokens]`` int64, ``block_id * block_size + offset``.
 
     Raises:
@@ -201,8 +233,11 @@ def reshape_and_cache_(key: torch.Tensor, value: torch.Tensor, key_cache: torch.
     """
     ops = native_ops()
     if ops is None:
-        width = key_cache.shape[2] * key_cache.shape[3]
-        key_cache.view(-1, width).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-        value_cache.view(-1, width).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+        num_kv_heads, row_width = key_cache.shape[2:]
+        for new, cache in ((key, key_cache), (value, value_cache)):
+            if cache.dtype == torch.int8:
+                new = quantize_kv(new.reshape(new.shape[0], num_kv_heads, -1))
+            cache.view(-1, num_kv_heads * row_width).index_copy_(
+                0, slot_mapping, new.reshape(new.shape[0], -1).to(cache.dtype))
     else:
         ops.reshape_and_cache_(key, value, key_cache, value_cache, slot_mapping)

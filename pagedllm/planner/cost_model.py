@@ -107,7 +107,7 @@ class ModelFacts:
     def bytes_per_block(self, block_size: int) -> int:
         """Bytes of one KV block (K and V, every layer); ``config.kv_cache_bytes_per_block``."""
         import torch
-        dtype = {2: torch.bfloat16, 4: torch.float32}[self.kv_element_bytes]
+        dtype = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32}[self.kv_element_bytes]
         return kv_cache_bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, block_size, dtype)
 
 
@@ -167,9 +167,9 @@ class CostModel:
             facts = ModelFacts(**document["facts"])
         except (KeyError, TypeError) as exc:
             raise ValueError(f"cost model {path}: bad \"facts\": {exc}") from None
-        if facts.kv_element_bytes not in (2, 4):
-            raise ValueError(f"cost model {path}: kv_element_bytes must be 2 (bfloat16) or 4 (float32), got "
-                             f"{facts.kv_element_bytes!r}")
+        if facts.kv_element_bytes not in (1, 2, 4):
+            raise ValueError(f"cost model {path}: kv_element_bytes must be 1 (int8), 2 (bfloat16) or 4 "
+                             f"(float32), got {facts.kv_element_bytes!r}")
         return cls({name: float(coefficients.get(name, 0.0)) for name in FEATURES}, facts,
                    document.get("calibration", {}))
 

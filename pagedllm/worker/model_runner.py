@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from pagedllm.config import kv_row_width
 from pagedllm.core.request import Request
 from pagedllm.huge_pages import huge_page_zeros, populate_for_write
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
@@ -64,7 +65,8 @@ class ModelRunner:
     """Owns the model and the KV cache tensors.
 
     The cache is one pair of tensors per layer, each ``[num_blocks, block_size, num_kv_heads,
-    head_dim]`` in ``kv_cache_dtype``, allocated once, zero-filled lazily.
+    head_dim]`` in ``kv_cache_dtype`` (``head_dim + 4`` int8 in an int8 cache: codes and their
+    scale, ``layers.ops.quantize_kv``), allocated once, zero-filled lazily.
 
     Args:
         model: the loaded model.
@@ -85,7 +87,7 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.broadcast_steps = broadcast_steps
         dtype = kv_cache_dtype or model.dtype
-        shape = (num_blocks, block_size, model.num_kv_heads_per_rank, config.head_dim)
+        shape = (num_blocks, block_size, model.num_kv_heads_per_rank, kv_row_width(config.head_dim, dtype))
         self.kv_caches = [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype))
                           for _ in range(config.num_hidden_layers)]
         self.generator = torch.Generator().manual_seed(seed)
