@@ -94,6 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default=None, help="as LLM(quantization=...)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="as LLM(kv_cache_dtype=...)")
     parser.add_argument("--context", type=int, default=300, help="cached tokens per decode sequence")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -101,9 +102,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    llm = LLM(dtype=args.dtype, quantization=args.quantization, kv_cache_memory_bytes=1 << 30, max_model_len=2048, max_num_seqs=64)
+    llm = LLM(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_memory_bytes=1 << 30, max_model_len=2048, max_num_seqs=64)
     runner = llm.llm_engine.model_runner
-    print(f"dtype {llm.llm_engine.model.dtype}, {torch.get_num_threads()} threads")
+    print(f"dtype {llm.llm_engine.model.dtype}, KV cache {llm.llm_engine.kv_cache_dtype}, "
+          f"{torch.get_num_threads()} threads")
     for kind in ("decode", "prefill"):
         for batch in args.batches:
             if kind == "decode":
