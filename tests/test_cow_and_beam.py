@@ -26,10 +26,11 @@ def samples(engine, prompt: list[int], params: SamplingParams, request_id: str =
     return [completion.token_ids for completion in output.outputs]
 
 
-def test_n4_prefills_once_and_copies_the_shared_partial_block_on_second_writer():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])  # int8: the copies carry each row's scale
+def test_n4_prefills_once_and_copies_the_shared_partial_block_on_second_writer(kv_cache_dtype):
     prompt = tokens(random.Random(1), 2 * BLOCK + 2)
     params = SamplingParams(n=4, temperature=0.0, ignore_eos=True, max_tokens=8)
-    engine = make_tiny_engine()
+    engine = make_tiny_engine(kv_cache_dtype=kv_cache_dtype)
     kv = engine.kv_cache_manager
     pool = kv.block_pool
     engine.add_request("p", {"prompt_token_ids": prompt}, params)
@@ -55,7 +56,8 @@ def test_n4_prefills_once_and_copies_the_shared_partial_block_on_second_writer()
     pool.check_invariants()
 
     finals = run_to_completion(engine)
-    single = samples(make_tiny_engine(), prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8))
+    single = samples(make_tiny_engine(kv_cache_dtype=kv_cache_dtype), prompt,
+                     SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8))
     assert [c.token_ids for c in finals["p"].outputs] == single * 4
     assert kv.num_copies == 3 and pool.num_used_blocks == 0
 

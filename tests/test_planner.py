@@ -5,6 +5,7 @@ server's request log."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import sys
@@ -277,6 +278,9 @@ def test_cost_model_file_round_trip_and_errors(tmp_path):
     assert loaded.coefficients == model.coefficients and loaded.facts == FACTS
     assert loaded.step_time(StepShape(decode_seqs=10)) == pytest.approx(0.03)
     assert FACTS.bytes_per_block(16) == 2 * 1 * 16 * 1 * 2 * 4
+    # An int8 cache: 2 one-byte codes and a 4-byte scale per token and KV head.
+    int8 = dataclasses.replace(FACTS, kv_cache_dtype="int8", kv_element_bytes=1)
+    assert int8.bytes_per_block(16) == 2 * 1 * 16 * 1 * (2 + 4)
     document = json.loads(path.read_text())
     document["coefficients"]["decode_seqs"] = -1
     path.write_text(json.dumps(document))
