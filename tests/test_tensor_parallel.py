@@ -103,6 +103,20 @@ def test_4bit_tp2_equals_tp1(quantization):
         engine.shutdown()
 
 
+def test_int8_kv_cache_tp2_equals_tp1():
+    """Each rank quantizes the rows of its own KV heads, each with its own scale, as one rank
+    quantizes all of them: the same codes, so the same greedy tokens."""
+    requests = [(str(i), prompt, SamplingParams(max_tokens=10, **GREEDY))
+                for i, prompt in enumerate(prompts(4, (7, 19)))]
+    expected = run(tp1_engine(kv_cache_dtype="int8"), requests)
+    engine = tp2_engine(kv_cache_dtype="int8")
+    try:
+        assert engine.model_runner.kv_caches[0][0].dtype == torch.int8
+        assert run(engine, requests) == expected
+    finally:
+        engine.shutdown()
+
+
 def test_gloo_all_reduce_the_reference_equals_tp1():
     requests = [(str(i), prompt, SamplingParams(max_tokens=10, **GREEDY))
                 for i, prompt in enumerate(prompts(4, (6, 23)))]

@@ -2,12 +2,12 @@
 the same weights, each run in a fresh process, alternated ``--repeats`` times.
 
     /work/venv/bin/python bench/peers/single_stream.py [--repeats 2] [--model NAME] [--llama-venv V]
-        [--gguf F [F ...]] [--configs none int8 int4 int4:bf16kv ...]
+        [--gguf F [F ...]] [--configs none int8 int4 int4:bf16kv w4a8:int8kv ...]
 
 Prompt: the first 256 tokens of the shipped text (pagedllm's tokenizer), 128 new tokens,
 greedy, EOS ignored; decode speed is the rate after the first token on both sides. pagedllm
 runs with prefix caching off; a configuration is a quantization, with ``:bf16kv`` for
-``kv_cache_dtype="bfloat16"``. Each run also reports its weight bytes and the KV blocks that a
+``kv_cache_dtype="bfloat16"`` and ``:int8kv`` for ``kv_cache_dtype="int8"``. Each run also reports its weight bytes and the KV blocks that a
 1 GiB budget for weights + KV leaves room for; each alternation prints pagedllm's ratios to
 the reference run just before or after it. Needs ``setup_llama_cpp.sh``'s venv and GGUF.
 """
@@ -27,7 +27,8 @@ from compare import run_one
 HERE = Path(__file__).resolve().parent
 BUDGET = 1 << 30
 CONFIGS = ["none", "int8", "int4", "w8a8", "w4a8"]
-CONFIGS += [f"{q}:bf16kv" for q in CONFIGS]
+CONFIGS += [f"{q}:{kv}" for kv in ("bf16kv", "int8kv") for q in CONFIGS]
+KV_CACHE_DTYPES = {"": "auto", "bf16kv": "bfloat16", "int8kv": "int8"}
 
 
 def pagedllm_worker(prompt_path: str, config: str, model: str) -> None:
@@ -39,7 +40,7 @@ def pagedllm_worker(prompt_path: str, config: str, model: str) -> None:
     quantization, _, kv = config.partition(":")
     start = time.perf_counter()
     llm = LLM(model=model, quantization=None if quantization == "none" else quantization,
-              kv_cache_dtype="bfloat16" if kv == "bf16kv" else "auto",
+              kv_cache_dtype=KV_CACHE_DTYPES[kv],
               enable_prefix_caching=False, kv_cache_memory_bytes=BUDGET)
     startup_s = time.perf_counter() - start
     engine = llm.llm_engine
