@@ -349,7 +349,7 @@ std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits) {
 
 // One KV head's row of head_dim values as int8 codes and their fp32 scale (kv_cache_dtype="int8",
 // layout in ops.h): scale = max |x| / 127, code = round-half-even(x / scale), in fp32 divisions,
-// so the codes equal pagedllm/layers/attention.py quantize_kv's bit for bit. A row of zeros, or
+// so the codes equal pagedllm/layers/ops.py quantize_kv's bit for bit. A row of zeros, or
 // one holding NaN or infinity, gets codes 0 and its scale 0, NaN or infinity, so it reads back as
 // zeros or NaN.
 template <typename T>
