@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from pagedllm.engine.stats import SchedulerStats
+    from pagedllm.engine.stats import ModelInfo, SchedulerStats
     from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -94,13 +94,18 @@ class EngineMetrics:
         max_num_seqs: exported as ``pagedllm:max_num_seqs``.
         max_num_batched_tokens: top of the ``iteration_tokens_total`` histogram.
         log_interval: seconds between stats log lines (None: no log line).
+        model_info: the engine's fixed facts; given, the KV cache's configuration is exported as
+            the labels of ``pagedllm:cache_config_info`` and ``vllm:cache_config_info`` (value 1):
+            block_size (tokens), cache_dtype, num_gpu_blocks (vLLM's name for the pool's blocks)
+            and bytes_per_block.
 
     Every update method swallows and logs its own exceptions: metrics must never take the
     engine loop down (case B31).
     """
 
     def __init__(self, model_name: str, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, log_interval: Optional[float] = 10.0) -> None:
+                 max_num_batched_tokens: int, log_interval: Optional[float] = 10.0,
+                 model_info: Optional["ModelInfo"] = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -154,6 +159,12 @@ class EngineMetrics:
              if b <= max_num_batched_tokens])
         self.max_num_seqs.set(max_num_seqs)
         self.engine_healthy.set(1)
+        if model_info is not None:
+            info = {"block_size": str(model_info.block_size), "cache_dtype": model_info.kv_cache_dtype,
+                    "num_gpu_blocks": str(model_info.num_blocks), "bytes_per_block": str(model_info.bytes_per_block)}
+            for prefix in ("pagedllm", "vllm"):
+                Gauge(f"{prefix}:cache_config_info", "KV cache configuration, in the labels (value 1).",
+                      [*labels, *info], registry=self.registry).labels(model_name, *info.values()).set(1)
 
         self._requests: dict[str, _RequestStats] = {}
         self._last_step_recorded = 0

@@ -71,6 +71,9 @@ def test_exact_values_after_10_requests(server):
     assert after["pagedllm:num_requests_waiting"] == 0
     assert after["pagedllm:kv_cache_usage_perc"] == 0
     assert after["pagedllm:max_num_seqs"] == 16 and after["pagedllm:engine_healthy"] == 1
+    # make_tiny_engine: 64 blocks of 4 tokens, float32 K and V of 2 layers x 2 heads x 16 dims.
+    config = 'block_size="4",bytes_per_block="2048",cache_dtype="float32",num_gpu_blocks="64"'
+    assert after[f"pagedllm:cache_config_info{{{config}}}"] == after[f"vllm:cache_config_info{{{config}}}"] == 1
 
 
 def test_samples_of_n_are_counted_per_sequence_and_prefix_hits_match_the_engine(server):

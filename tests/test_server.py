@@ -158,7 +158,7 @@ class InThreadServer:
     def __init__(self, engine: LLMEngine, served_model_name: str = MODEL, api_key: Optional[str] = None,
                  app_kwargs: Optional[dict] = None, **async_engine_kwargs) -> None:
         self.metrics = EngineMetrics(served_model_name, engine.max_model_len, engine.args.max_num_seqs,
-                                     engine.args.max_num_batched_tokens)
+                                     engine.args.max_num_batched_tokens, model_info=engine.get_model_info())
         self.engine = AsyncLLMEngine(engine, self.metrics, **async_engine_kwargs)
         self.engine.start()
         app = build_app(self.engine, [served_model_name], api_key, **(app_kwargs or {}))

@@ -545,7 +545,9 @@ class LLMEngine:
                          tokenizer=self.tokenizer, block_size=self.args.block_size,
                          num_blocks=self.num_blocks, max_num_seqs=self.args.max_num_seqs,
                          max_num_batched_tokens=self.args.max_num_batched_tokens,
-                         grammar_compiler=self.grammar_compiler, scheduling_policy=self.scheduler.policy)
+                         grammar_compiler=self.grammar_compiler, scheduling_policy=self.scheduler.policy,
+                         kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+                         bytes_per_block=self.bytes_per_block)
 
     def _fail_requests(self, requests: Iterable[Request], exc: Exception) -> list[RequestOutput]:
         """End the user requests of ``requests``, every sample, with finish reason ``"error"``

@@ -111,6 +111,8 @@ class ModelInfo:
             a tokenizer). Shared like the tokenizer: the server compiles in a worker thread
             so that the engine thread finds the grammar in the cache.
         scheduling_policy: ``"fcfs"`` or ``"priority"``.
+        kv_cache_dtype: the KV cache's dtype, as a name (``"bfloat16"``, ``"float32"``, ``"int8"``).
+        bytes_per_block: bytes of one KV block, every layer's K and V (all ranks together).
     """
 
     model: Optional[str]
@@ -124,6 +126,8 @@ class ModelInfo:
     max_num_batched_tokens: int
     grammar_compiler: Any = None
     scheduling_policy: str = "fcfs"
+    kv_cache_dtype: str = ""
+    bytes_per_block: int = 0
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class EngineReplica:
                                      max_waiting_requests, request_timeout)
         self.engine.metrics = EngineMetrics(served_model_name, self.engine.model_info.max_model_len,
                                             engine_args.max_num_seqs, engine_args.max_num_batched_tokens,
-                                            log_interval=None)
+                                            log_interval=None, model_info=self.engine.model_info)
         self.prefixes = PrefixIndex(min(self.engine.model_info.num_blocks, MAX_REPORTED_KEYS))
         self.pid = os.getpid()
         self.num_threads = num_threads

@@ -539,7 +539,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     async_engine = AsyncLLMEngine(lambda: build_engine(engine_args, args.engine_factory), None,
                                   args.max_waiting_requests, args.request_timeout, request_log)
     async_engine.metrics = EngineMetrics(names[0], async_engine.model_info.max_model_len,
-                                         engine_args.max_num_seqs, engine_args.max_num_batched_tokens)
+                                         engine_args.max_num_seqs, engine_args.max_num_batched_tokens,
+                                         model_info=async_engine.model_info)
     app = build_app(async_engine, names, api_key, model_root=str(args.model or DEFAULT_MODEL_FILE),
                     api_keys=api_keys, max_queue_wait=args.max_queue_wait,
                     enable_dashboard=not args.disable_dashboard)
