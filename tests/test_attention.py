@@ -31,6 +31,8 @@ def dense_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     pos`` (all of ``0 .. pos`` for window None: a sliding window, as Gemma 3's local layers)."""
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
+    if key_cache.dtype == torch.int8:  # each query head is rounded as a cache row (as_cached_query)
+        query, scale = cached_values(quantize_kv(query.float() * scale)), 1.0
     keys = torch.stack([cached_values(key_cache[block_table[p // block_size], p % block_size])
                         for p in range(context_len)])
     values = torch.stack([cached_values(value_cache[block_table[p // block_size], p % block_size])

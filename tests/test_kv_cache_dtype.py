@@ -43,13 +43,14 @@ def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> li
 
 
 def assert_same(actual, expected) -> None:
-    """Same tokens, and logprobs equal within 1e-3. Measured: a different chunking moves them
-    by up to 6e-5 (1e-5 with a float32 cache: an fp32 difference in a projection can move a
-    value across a bfloat16 rounding boundary); prefill reading K/V that were not rounded, or
-    a float32 cache, moves them by 0.04-0.06."""
+    """Same tokens, and logprobs equal within 5e-3. Measured: a different chunking moves them
+    by up to 1.2e-4 (1e-5 with a float32 cache: an fp32 difference in a projection can move a
+    value across a bfloat16 rounding boundary), and by up to 1.05e-3 with an int8 cache, whose
+    attention also rounds each query to int8 (one code apart after such a difference); prefill
+    reading K/V that were not rounded, or a float32 cache, moves them by 0.04-0.06."""
     assert [tokens for tokens, _ in actual] == [tokens for tokens, _ in expected]
     for (_, a), (_, b) in zip(actual, expected):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-3)
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=5e-3)
 
 
 def test_smaller_caches_hold_more_blocks():

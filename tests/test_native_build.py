@@ -65,3 +65,18 @@ def test_portable_build_passes_the_op_tests():
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="skylake-avx512 is an x86 target")
+def test_avx512_build_without_vnni_passes_the_attention_tests():
+    """The C++ ops built for AVX-512 without AVX512_VNNI (``PAGEDLLM_MARCH=skylake-avx512``):
+    decode attention over an int8 cache then scores by VPMADDWD instead of VPDPBUSD, a path
+    chosen at compile time, so it runs here only in such a build. The quantized GEMMs choose
+    theirs at run time and test both in the native build (``portable``)."""
+    if "avx512bw" not in ops_module._cpu_flags():
+        pytest.skip("this CPU cannot run an AVX-512 build")
+    env = dict(os.environ, PAGEDLLM_MARCH="skylake-avx512")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_attention.py",
+                             "tests/test_kv_cache_dtype.py"], capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout

@@ -1,6 +1,7 @@
 """Accuracy of quantized weights (``pagedllm bench accuracy``, also ``bench/accuracy.py``).
 
-For each model and each ``quantization`` (None, ``int8``, ``int4``) in one process:
+For each model and each ``quantization`` (``--methods``; default None, ``int8``, ``int4``,
+``w8a8``, ``w4a8``) in one process:
 
 - perplexity on the public-domain text the package ships (``data/public_domain.txt``), from
   the engine's own prompt logprobs: ``exp(-mean log p(token_i | tokens_<i))`` over the first
@@ -70,12 +71,14 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
 
 
 def evaluate(model: Optional[str], dtype: str, num_tokens: int, budget_bytes: int,
-             kv_cache_dtype: str = "auto") -> list[dict]:
-    """One row per quantization method for ``model``; see the module docstring."""
+             kv_cache_dtype: str = "auto", methods: tuple[Optional[str], ...] = METHODS) -> list[dict]:
+    """One row per quantization method (``methods``, None for unquantized) for ``model``; the
+    first method's greedy outputs are the reference of the agreement column. See the module
+    docstring."""
     from pagedllm import LLM
 
     rows, reference = [], None
-    for method in METHODS:
+    for method in methods:
         llm = LLM(model=model, dtype=dtype, quantization=method, kv_cache_dtype=kv_cache_dtype,
                   kv_cache_memory_bytes=256 * 2**20,
                   max_model_len=max(1024, num_tokens + 1), enable_prefix_caching=False)
@@ -101,6 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens of the shipped text scored for perplexity (default 2048)")
     parser.add_argument("--memory-budget-mib", type=int, default=1024,
                         help="weights + KV budget for the KV-blocks column (default 1024 MiB)")
+    parser.add_argument("--methods", nargs="+", default=[m or "none" for m in METHODS],
+                        choices=[m or "none" for m in METHODS],
+                        help="quantizations to run, in order; the first is the reference of the ratio and "
+                             "agreement columns (default: all, none first)")
 
 
 def main(args: argparse.Namespace, engine_args: EngineArgs) -> int:
@@ -109,7 +116,8 @@ def main(args: argparse.Namespace, engine_args: EngineArgs) -> int:
              f"{'weights MiB':>11} {'KV blocks':>9}"
     print(header)
     for model in args.models:
-        rows = evaluate(model, engine_args.dtype, args.num_tokens, budget, engine_args.kv_cache_dtype)
+        methods = tuple(None if m == "none" else m for m in args.methods)
+        rows = evaluate(model, engine_args.dtype, args.num_tokens, budget, engine_args.kv_cache_dtype, methods)
         for row in rows:
             print(f"{row['model']:<22} {row['quantization']:<6} {row['dtype']:<17} {row['perplexity']:>8.3f} "
                   f"{row['perplexity'] / rows[0]['perplexity']:>9.3f} {row['agreement']:>12.3f} "

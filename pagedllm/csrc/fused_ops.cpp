@@ -347,29 +347,6 @@ std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits) {
   return {argmax, lse};
 }
 
-// One KV head's row of head_dim values as int8 codes and their fp32 scale (kv_cache_dtype="int8",
-// layout in ops.h): scale = max |x| / 127, code = round-half-even(x / scale), in fp32 divisions,
-// so the codes equal pagedllm/layers/ops.py quantize_kv's bit for bit. A row of zeros, or
-// one holding NaN or infinity, gets codes 0 and its scale 0, NaN or infinity, so it reads back as
-// zeros or NaN.
-template <typename T>
-inline void quantize_kv_row(int8_t* dst, const T* x, int64_t head_dim) {
-  float amax = 0.f;
-  bool nan = false;
-  for (int64_t d = 0; d < head_dim; ++d) {
-    const float v = to_float(x[d]);
-    nan |= std::isnan(v);
-    amax = std::max(amax, std::fabs(v));
-  }
-  const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
-  const bool finite = scale > 0.f && std::isfinite(scale);
-  for (int64_t d = 0; d < head_dim; ++d) {
-    const float code = finite ? std::nearbyint(to_float(x[d]) / scale) : 0.f;
-    dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, code)));
-  }
-  std::memcpy(dst + head_dim, &scale, sizeof(scale));
-}
-
 // Copies each token's K/V rows [tokens, num_kv_heads * head_dim] (row stride free) into its
 // slot of the caches [num_blocks, block_size, num_kv_heads, head_dim], converting float32 rows
 // to bfloat16 for a bfloat16 cache (kv_cache_dtype="bfloat16"), or quantizing float32 and

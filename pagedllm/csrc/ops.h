@@ -5,8 +5,11 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <type_traits>
 
@@ -31,6 +34,29 @@ inline float kv_row_scale(const C* row, int64_t head_dim) {
   } else {
     return 1.f;
   }
+}
+
+// One KV head's row of head_dim values as int8 codes and their fp32 scale (kv_cache_dtype="int8",
+// layout in ops.h): scale = max |x| / 127, code = round-half-even(x / scale), in fp32 divisions,
+// so the codes equal pagedllm/layers/ops.py quantize_kv's bit for bit. A row of zeros, or
+// one holding NaN or infinity, gets codes 0 and its scale 0, NaN or infinity, so it reads back as
+// zeros or NaN. The attention kernels round their queries so too (paged_attention.cpp).
+template <typename T>
+inline void quantize_kv_row(int8_t* dst, const T* x, int64_t head_dim) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float v = static_cast<float>(x[d]);
+    nan |= std::isnan(v);
+    amax = std::max(amax, std::fabs(v));
+  }
+  const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+  const bool finite = scale > 0.f && std::isfinite(scale);
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float code = finite ? std::nearbyint(static_cast<float>(x[d]) / scale) : 0.f;
+    dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, code)));
+  }
+  std::memcpy(dst + head_dim, &scale, sizeof(scale));
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -11,13 +11,17 @@
 //   key/value    [num_blocks, block_size, num_kv_heads, head_dim] contiguous, the query's dtype
 //                or bfloat16 under an fp32 query (kv_cache_dtype="bfloat16": half the bytes);
 //                or int8 rows of head_dim + 4 (kv_cache_dtype="int8": codes, then their fp32
-//                scale; ops.h), whose scale multiplies each score and each softmax weight
+//                scale; ops.h), whose scale multiplies each score and each softmax weight;
+//                over an int8 cache each query head is rounded as a cache row (q * scale to
+//                int8 codes and a scale) and its scores are integer dot products
+//                (group_scores_int8)
 //   block_tables [num_seqs, max_blocks] int64, context_lens [num_seqs] int64
 //   sliding_window > 0: each query attends to the last sliding_window tokens of its context only
 //                (positions context_len - sliding_window .. context_len - 1, as HF's
 //                sliding_window_overlay: kv_idx > q_idx - sliding_window); 0: all of them
 //   out          [num_seqs, num_heads, head_dim] contiguous, the query's dtype
-// Scores and the weighted sum are accumulated in fp32 whatever the storage dtype.
+// The weighted sum is accumulated in fp32 whatever the storage dtype, and so are the scores
+// except over an int8 cache (int32, exact).
 
 // Only ATen and the op registry are included (not torch/extension.h, which pulls in pybind11,
 // autograd and torch::nn): the first-use build then takes ~4x less compiler time.
@@ -114,15 +118,14 @@ inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 
 // Scores of kGroup query heads (consecutive, one KV head's) for `count` token rows of a block:
-// scores[g * n + slot] = scale * q_g . k_slot (times the row's scale in an int8 cache). rows: the
-// KV head's part of the first row; next: the same row of the next block, prefetched
-// `prefetch_bytes` per row. Rows go four at a time (their dot products summed by sum4), the
-// last count % 4 one at a time.
+// scores[g * n + slot] = scale * q_g . k_slot (a float or bfloat16 cache; group_scores_int8 below
+// takes an int8 one). rows: the KV head's part of the first row; next: the same row of the next
+// block, prefetched `prefetch_bytes` per row. Rows go four at a time (their dot products summed
+// by sum4), the last count % 4 one at a time.
 template <typename T, typename C, int kHeadDim, int kGroup>
 inline void group_scores(const T* q, int64_t q_head_stride, float scale, const C* rows, const C* next,
                          int64_t count, int64_t token_stride, int64_t prefetch_bytes, float* scores, int64_t n) {
   constexpr int kChunks = kHeadDim / 16;
-  constexpr bool kScaled = kv_row_extra<C>() > 0;
   __m512 qv[kGroup][kChunks];
   for (int g = 0; g < kGroup; ++g) {
     for (int c = 0; c < kChunks; ++c) {
@@ -138,33 +141,122 @@ inline void group_scores(const T* q, int64_t q_head_stride, float scale, const C
   int64_t slot = 0;
   for (; slot + 4 <= count; slot += 4) {
     __m512 acc[kGroup][4];
-    alignas(16) float row_scales[4];
     for (int r = 0; r < 4; ++r) {
       prefetch_row(next + (slot + r) * token_stride, prefetch_bytes);
       const C* k = rows + (slot + r) * token_stride;
       __m512 kv[kChunks];
       for (int c = 0; c < kChunks; ++c) kv[c] = load16(k + 16 * c);
-      row_scales[r] = kv_row_scale(k, kHeadDim);
       for (int g = 0; g < kGroup; ++g) acc[g][r] = dot(g, kv);
     }
-    for (int g = 0; g < kGroup; ++g) {
-      __m128 sums = sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-      if constexpr (kScaled) sums = _mm_mul_ps(sums, _mm_load_ps(row_scales));
-      _mm_storeu_ps(scores + g * n + slot, sums);
-    }
+    for (int g = 0; g < kGroup; ++g) _mm_storeu_ps(scores + g * n + slot, sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
   }
   for (; slot < count; ++slot) {
     prefetch_row(next + slot * token_stride, prefetch_bytes);
     const C* k = rows + slot * token_stride;
     __m512 kv[kChunks];
     for (int c = 0; c < kChunks; ++c) kv[c] = load16(k + 16 * c);
-    const float row_scale = kv_row_scale(k, kHeadDim);
+    for (int g = 0; g < kGroup; ++g) scores[g * n + slot] = _mm512_reduce_add_ps(dot(g, kv));
+  }
+}
+
+#if defined(__AVX512BW__)
+// Scores over an int8 cache (kv_cache_dtype="int8") in integers. The query heads were rounded
+// as cache rows are (quantize_kv_row of q * scale: int8 codes and one fp32 scale per head; as
+// llama.cpp rounds its queries to Q8_0 for a Q8_0 K cache), so q . k is a sum of int8 products,
+// exact in int32, and score = float(sum) * (q_scale * k_scale). With AVX512_VNNI one VPDPBUSD
+// does 64 multiply-adds: its unsigned operand is the key read as k ^ 0x80 = k + 128 (one XOR
+// per row, shared by the group's heads), which adds 128 * sum(q codes) to every dot product
+// (kKeyOffset; subtracted once per head). Without VNNI both are widened to int16 and
+// multiplied by VPMADDWD. Either way every sum is exact, so the scores are bitwise those of the
+// generic path below and of the prefill kernel's.
+#if defined(__AVX512VNNI__)
+constexpr int32_t kKeyOffset = 128;
+struct Int8Chunk { __m512i v; };  // 64 codes: a key's as k + 128 (unsigned), a query's as they are
+inline Int8Chunk key_chunk(const int8_t* k) {
+  return {_mm512_xor_si512(_mm512_loadu_si512(k), _mm512_set1_epi8(static_cast<char>(0x80)))};
+}
+inline Int8Chunk query_chunk(const int8_t* q) { return {_mm512_loadu_si512(q)}; }
+inline __m512i dot_chunk(__m512i acc, Int8Chunk k, Int8Chunk q) { return _mm512_dpbusd_epi32(acc, k.v, q.v); }
+#else
+constexpr int32_t kKeyOffset = 0;
+struct Int8Chunk { __m512i lo, hi; };  // 64 codes widened to int16
+inline Int8Chunk widen_chunk(const int8_t* p) {
+  const __m512i v = _mm512_loadu_si512(p);
+  return {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(v)), _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1))};
+}
+inline Int8Chunk key_chunk(const int8_t* k) { return widen_chunk(k); }
+inline Int8Chunk query_chunk(const int8_t* q) { return widen_chunk(q); }
+inline __m512i dot_chunk(__m512i acc, Int8Chunk k, Int8Chunk q) {
+  return _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(k.lo, q.lo), _mm512_madd_epi16(k.hi, q.hi)));
+}
+#endif
+
+// sum4 on int32 lanes: [sum(a0), sum(a1), sum(a2), sum(a3)].
+inline __m128i sum4_epi32(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+  const __m512i c01 = _mm512_add_epi32(_mm512_shuffle_i32x4(a0, a1, 0x44), _mm512_shuffle_i32x4(a0, a1, 0xEE));
+  const __m512i c23 = _mm512_add_epi32(_mm512_shuffle_i32x4(a2, a3, 0x44), _mm512_shuffle_i32x4(a2, a3, 0xEE));
+  const __m512i d = _mm512_add_epi32(_mm512_shuffle_i32x4(c01, c23, 0x88), _mm512_shuffle_i32x4(c01, c23, 0xDD));
+  const __m512i e = _mm512_add_epi32(d, _mm512_shuffle_epi32(d, static_cast<_MM_PERM_ENUM>(0x4E)));
+  const __m512i f = _mm512_add_epi32(e, _mm512_shuffle_epi32(e, static_cast<_MM_PERM_ENUM>(0xB1)));
+  return _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), f));
+}
+
+// group_scores over an int8 cache: q holds kGroup rounded query rows (codes, then the fp32
+// scale; q_row apart), q_offset[g] = kKeyOffset * the sum of head g's codes.
+template <int kHeadDim, int kGroup>
+inline void group_scores_int8(const int8_t* q, int64_t q_row, const int32_t* q_offset, const int8_t* rows,
+                              const int8_t* next, int64_t count, int64_t token_stride, int64_t prefetch_bytes,
+                              float* scores, int64_t n) {
+  constexpr int kChunks = kHeadDim / 64;
+  Int8Chunk qv[kGroup][kChunks];
+  float q_scale[kGroup];
+  for (int g = 0; g < kGroup; ++g) {
+    for (int c = 0; c < kChunks; ++c) qv[g][c] = query_chunk(q + g * q_row + 64 * c);
+    q_scale[g] = kv_row_scale(q + g * q_row, kHeadDim);
+  }
+  auto dot = [&](int g, const Int8Chunk* kv) {
+    __m512i acc = dot_chunk(_mm512_setzero_si512(), kv[0], qv[g][0]);
+    for (int c = 1; c < kChunks; ++c) acc = dot_chunk(acc, kv[c], qv[g][c]);
+    return acc;
+  };
+  int64_t slot = 0;
+  for (; slot + 4 <= count; slot += 4) {
+    for (int r = 0; r < 4; ++r) prefetch_row(next + (slot + r) * token_stride, prefetch_bytes);
+    // Fully unrolled, so that the 4 x kGroup accumulators stay in registers (GCC kept the
+    // array in memory otherwise and reloaded it for the reductions).
+    __m512i acc[kGroup][4];
+    alignas(16) float row_scales[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const int8_t* k = rows + (slot + r) * token_stride;
+      Int8Chunk kv[kChunks];
+#pragma GCC unroll 4
+      for (int c = 0; c < kChunks; ++c) kv[c] = key_chunk(k + 64 * c);
+      row_scales[r] = kv_row_scale(k, kHeadDim);
+#pragma GCC unroll 4
+      for (int g = 0; g < kGroup; ++g) acc[g][r] = dot(g, kv);
+    }
+    const __m128 k_scales = _mm_load_ps(row_scales);
+#pragma GCC unroll 4
     for (int g = 0; g < kGroup; ++g) {
-      const float sum = _mm512_reduce_add_ps(dot(g, kv));
-      scores[g * n + slot] = kScaled ? sum * row_scale : sum;
+      const __m128i sums = _mm_sub_epi32(sum4_epi32(acc[g][0], acc[g][1], acc[g][2], acc[g][3]),
+                                         _mm_set1_epi32(q_offset[g]));
+      _mm_storeu_ps(scores + g * n + slot, _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(_mm_set1_ps(q_scale[g]), k_scales)));
+    }
+  }
+  for (; slot < count; ++slot) {
+    prefetch_row(next + slot * token_stride, prefetch_bytes);
+    const int8_t* k = rows + slot * token_stride;
+    Int8Chunk kv[kChunks];
+    for (int c = 0; c < kChunks; ++c) kv[c] = key_chunk(k + 64 * c);
+    const float k_scale = kv_row_scale(k, kHeadDim);
+    for (int g = 0; g < kGroup; ++g) {
+      const int32_t sum = _mm512_reduce_add_epi32(dot(g, kv)) - q_offset[g];
+      scores[g * n + slot] = static_cast<float>(sum) * (q_scale[g] * k_scale);
     }
   }
 }
+#endif  // __AVX512BW__
 
 // acc[g * kHeadDim ..] += sum over `count` rows of p[g * n + slot] * v_slot, for kGroup heads
 // (p times the row's scale in an int8 cache).
@@ -233,13 +325,32 @@ inline void with_group(int64_t left, F&& f) {
 // tokens start .. context_len - 1. q: the sequence's first query head; k/v_base: the cache's
 // first element (block 0, KV head 0); scores: scratch of (heads) * (context_len - start)
 // floats, acc of (heads) * kHeadDim floats; out: the sequence's output row [num_heads, kHeadDim].
+// An int8 cache also takes scratch for the rounded queries: q8 of (heads) * (kHeadDim + 4)
+// bytes and q_offset of (heads) int32.
 template <typename T, typename C, int kHeadDim>
 void attend_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* v_base, const int64_t* table,
                    int64_t start, int64_t context_len, int64_t block_size, int64_t block_stride,
                    int64_t token_stride, int64_t group, int64_t kv_head_begin, int64_t kv_head_end, float scale,
-                   float* scores, float* acc, float* inv_sum, T* out) {
+                   float* scores, float* acc, float* inv_sum, int8_t* q8, int32_t* q_offset, T* out) {
   const int64_t n = context_len - start;
   const int64_t first_head = kv_head_begin * group, heads = (kv_head_end - kv_head_begin) * group;
+  constexpr int64_t kQ8Row = kHeadDim + kKvScaleBytes;
+  if constexpr (std::is_same_v<C, int8_t>) {
+#if defined(__AVX512BW__)
+    for (int64_t head = 0; head < heads; ++head) {
+      const T* src = q + (first_head + head) * q_head_stride;
+      float x[kHeadDim];
+      for (int d = 0; d < kHeadDim; ++d) x[d] = to_float(src[d]) * scale;
+      int8_t* row = q8 + head * kQ8Row;
+      quantize_kv_row(row, x, kHeadDim);
+      int32_t sum = 0;
+      for (int d = 0; d < kHeadDim; ++d) sum += row[d];
+      q_offset[head] = kKeyOffset * sum;
+    }
+#else
+    static_assert(!std::is_same_v<C, int8_t>, "an int8 cache takes the vector path only with AVX512BW");
+#endif
+  }
   constexpr int64_t kRow = kHeadDim + kv_row_extra<C>();  // cache elements per KV head row
   // The first KV head's rows prefetch the next block's whole span of the walked heads.
   const int64_t span_bytes = (kv_head_end - kv_head_begin) * kRow * static_cast<int64_t>(sizeof(C));
@@ -250,11 +361,21 @@ void attend_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* 
     for (int64_t h = 0; h < kv_head_end - kv_head_begin; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
         const int64_t head = h * group + g0;
+        const int64_t prefetch = head == 0 ? span_bytes : (g0 == 0 ? head_bytes : 0);
         with_group(group - g0, [&](auto size) {
-          group_scores<T, C, kHeadDim, decltype(size)::value>(
-              q + (first_head + head) * q_head_stride, q_head_stride, scale, block + h * kRow,
-              next + h * kRow, count, token_stride, head == 0 ? span_bytes : (g0 == 0 ? head_bytes : 0),
-              scores + head * n + first, n);
+#if defined(__AVX512BW__)
+          if constexpr (std::is_same_v<C, int8_t>) {
+            group_scores_int8<kHeadDim, decltype(size)::value>(q8 + head * kQ8Row, kQ8Row, q_offset + head,
+                                                               block + h * kRow, next + h * kRow, count,
+                                                               token_stride, prefetch, scores + head * n + first, n);
+            return;
+          }
+#endif
+          if constexpr (!std::is_same_v<C, int8_t>) {
+            group_scores<T, C, kHeadDim, decltype(size)::value>(
+                q + (first_head + head) * q_head_stride, q_head_stride, scale, block + h * kRow, next + h * kRow,
+                count, token_stride, prefetch, scores + head * n + first, n);
+          }
         });
       }
     }
@@ -314,8 +435,11 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* out_base = out.data_ptr<T>();
 
-#if defined(__AVX512F__)
-  constexpr bool kVector = kHeadDim > 0 && kHeadDim % 16 == 0;
+  constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
+#if defined(__AVX512BW__)
+  constexpr bool kVector = kHeadDim > 0 && kHeadDim % 64 == 0;  // 64, 128, 256: whole int8 zmm rows
+#elif defined(__AVX512F__)
+  constexpr bool kVector = kHeadDim > 0 && kHeadDim % 16 == 0 && !kInt8Cache;
 #else
   constexpr bool kVector = false;
 #endif
@@ -328,6 +452,8 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
     std::vector<float> q_f(head_dim);
     std::vector<float> acc(head_dim);
     std::vector<float> scores;
+    std::vector<int8_t> q8;         // int8 cache: the rounded query heads (quantize_kv_row)
+    std::vector<int32_t> q_offset;  // and kKeyOffset times each one's code sum
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / items_per_seq;
       const int64_t kv_head = (item % items_per_seq) * heads_per_item;
@@ -348,10 +474,15 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         const int64_t heads = heads_per_item * group;
         scores.resize(heads * n);
         acc.resize(heads * kHeadDim + heads);  // accumulators, then 1 / sum per head
+        if constexpr (kInt8Cache) {
+          q8.resize(heads * (kHeadDim + kKvScaleBytes));
+          q_offset.resize(heads);
+        }
         attend_avx512<T, C, kHeadDim>(q_base + seq * q_seq_stride, q_head_stride, k_base, v_base, table, start,
                                       context_len, block_size, block_stride, token_stride, group, kv_head,
                                       kv_head + heads_per_item, scale, scores.data(), acc.data(),
-                                      acc.data() + heads * kHeadDim, out_base + seq * num_heads * head_dim);
+                                      acc.data() + heads * kHeadDim, q8.data(), q_offset.data(),
+                                      out_base + seq * num_heads * head_dim);
         continue;
       }
 #endif
@@ -363,6 +494,12 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         const T* q = q_base + seq * q_seq_stride + head * q_head_stride;
         float* qf = q_f.data();
         for (int64_t d = 0; d < head_dim; ++d) qf[d] = to_float(q[d]) * scale;
+        float q_scale = 1.f;  // an int8 cache: q rounded as a cache row, its codes in q8
+        if constexpr (kInt8Cache) {
+          q8.resize(head_dim + kKvScaleBytes);
+          quantize_kv_row(q8.data(), qf, head_dim);
+          q_scale = kv_row_scale(q8.data(), head_dim);
+        }
 
         const int64_t row_bytes = row_len * sizeof(C);
         float max_score = -std::numeric_limits<float>::infinity();
@@ -373,9 +510,16 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
             prefetch_row(next + slot * token_stride, row_bytes);
             const C* k = block + slot * token_stride;
             float dot = 0.f;
+            if constexpr (kInt8Cache) {  // exact in int32, as the vector path's
+              const int8_t* qc = q8.data();
+              int32_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+              for (int64_t d = 0; d < head_dim; ++d) sum += static_cast<int32_t>(qc[d]) * static_cast<int32_t>(k[d]);
+              dot = static_cast<float>(sum) * (q_scale * kv_row_scale(k, head_dim));
+            } else {
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qf[d] * to_float(k[d]);
-            if constexpr (kv_row_extra<C>() > 0) dot *= kv_row_scale(k, head_dim);
+              for (int64_t d = 0; d < head_dim; ++d) dot += qf[d] * to_float(k[d]);
+            }
             scores[first + slot] = dot;
             max_score = std::max(max_score, dot);
           }

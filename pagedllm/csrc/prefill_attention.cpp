@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -72,18 +73,21 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
     return base + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
   };
 
-  // K transposed and scaled: kt[(kv_head * kHeadDim + d) * padded + pos], zero past context_len.
+  // K transposed: kt[(kv_head * kHeadDim + d) * padded + pos], zero past context_len. An int8
+  // cache's codes go in as they are, their scales into k_scales[kv_head * padded + pos], and
+  // each query row is rounded as a cache row (quantize_kv_row of q * scale, its codes in q):
+  // a score is then an fp32 sum of integer products, exact (|sum| <= 256 * 127 * 127 < 2^24),
+  // times q_scale * k_scale, bitwise the decode kernel's score (paged_attention.cpp).
+  constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
   std::vector<float> kt(static_cast<size_t>(num_kv_heads * kHeadDim * padded), 0.f);
+  std::vector<float> k_scales(kInt8Cache ? static_cast<size_t>(num_kv_heads * padded) : 0, 0.f);
   at::parallel_for(0, context_len, 256, [&](int64_t begin, int64_t end) {
     for (int64_t pos = begin; pos < end; ++pos) {
       const C* row = row_of(k_base, pos);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const C* head_row = row + h * kRow;
-        const float row_scale = kv_row_scale(head_row, kHeadDim);
-        for (int d = 0; d < kHeadDim; ++d) {
-          kt[(h * kHeadDim + d) * padded + pos] =
-              kv_row_extra<C>() > 0 ? to_float(head_row[d]) * row_scale : to_float(head_row[d]);
-        }
+        for (int d = 0; d < kHeadDim; ++d) kt[(h * kHeadDim + d) * padded + pos] = to_float(head_row[d]);
+        if constexpr (kInt8Cache) k_scales[h * padded + pos] = kv_row_scale(head_row, kHeadDim);
       }
     }
   });
@@ -93,16 +97,22 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
     alignas(64) float q[kTile * kHeadDim];
     alignas(64) float o[kTile * kHeadDim];
     alignas(64) float p[kTile * kTile];
-    float m[kTile], l[kTile], alpha[kTile];
+    float m[kTile], l[kTile], alpha[kTile], q_scales[kTile];
+    int8_t q8[kHeadDim + kKvScaleBytes];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t head = item / tiles, tile = item % tiles;
       const int64_t kv_head = head / group;
       const int64_t row0 = tile * kTile, rows = std::min(kTile, q_len - row0);
       const int64_t pos0 = first_pos + row0, last_pos = pos0 + rows - 1;
       for (int64_t i = 0; i < kTile; ++i) {
+        float* qi = q + i * kHeadDim;
         for (int d = 0; d < kHeadDim; ++d) {
-          q[i * kHeadDim + d] = i < rows ? to_float(q_base[(row0 + i) * q_token_stride + head * q_head_stride + d]) * scale
-                                         : 0.f;
+          qi[d] = i < rows ? to_float(q_base[(row0 + i) * q_token_stride + head * q_head_stride + d]) * scale : 0.f;
+        }
+        if constexpr (kInt8Cache) {
+          quantize_kv_row(q8, qi, kHeadDim);
+          for (int d = 0; d < kHeadDim; ++d) qi[d] = q8[d];
+          q_scales[i] = kv_row_scale(q8, kHeadDim);
         }
         m[i] = -std::numeric_limits<float>::infinity();
         l[i] = 0.f;
@@ -116,6 +126,10 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
         for (int d = 0; d < kHeadDim; ++d) {
           const __m512 k = _mm512_loadu_ps(k_head + d * padded + key0);
           for (int i = 0; i < kTile; ++i) s[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * kHeadDim + d]), k, s[i]);
+        }
+        if constexpr (kInt8Cache) {
+          const __m512 ks = _mm512_loadu_ps(k_scales.data() + kv_head * padded + key0);
+          for (int i = 0; i < kTile; ++i) s[i] = _mm512_mul_ps(s[i], _mm512_mul_ps(_mm512_set1_ps(q_scales[i]), ks));
         }
         // Online softmax per query row; key key0 + j is visible to row i when key0 + j <= pos0 + i.
         for (int i = 0; i < kTile; ++i) {

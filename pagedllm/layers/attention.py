@@ -6,7 +6,8 @@ in the compute dtype or, with ``kv_cache_dtype="bfloat16"`` under fp32 compute, 
 With ``kv_cache_dtype="int8"`` they are int8 ``[num_blocks, block_size, num_kv_heads, head_dim
 + 4]``: each KV head's row is quantized when written (``quantize_kv``: symmetric, one fp32 scale
 per token and KV head, stored in the row's last 4 bytes) and read as ``code * scale``; the
-kernels fold the scale into each score and softmax weight. A
+kernels fold the scale into each score and softmax weight, and round each query head the same
+way so that a score is an integer dot product (``as_cached_query``). A
 token at position ``p`` of a sequence lives in slot ``p % block_size`` of physical block
 ``block_table[p // block_size]``; its flat slot index (``slot_mapping``) is
 ``block_id * block_size + p % block_size``.
@@ -80,6 +81,18 @@ def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     return x.to(cache_dtype).to(x.dtype) if cache_dtype != x.dtype else x
 
 
+def as_cached_query(query: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """The query and softmax scale that attention over a cache of ``cache_dtype`` uses.
+
+    Over an int8 cache the kernels round each query head as a cache row (``quantize_kv`` of
+    ``query * scale``) and score in integers; this returns that rounded query, in ``query``'s
+    dtype, with scale 1. Other caches: ``(query, scale)`` unchanged.
+    """
+    if cache_dtype != torch.int8:
+        return query, scale
+    return dequantize_kv(quantize_kv(query.float() * scale), query.dtype), 1.0
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their slots, in place."""
@@ -114,6 +127,7 @@ def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
     """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, row_width = key_cache.shape
+    query, scale = as_cached_query(query, scale, key_cache.dtype)
     max_len = block_tables.shape[1] * block_size
     keys = read_kv_cache(key_cache[block_tables].view(num_seqs, max_len, num_kv_heads, row_width), query.dtype)
     values = read_kv_cache(value_cache[block_tables].view(num_seqs, max_len, num_kv_heads, row_width), query.dtype)
@@ -204,8 +218,8 @@ def prefill_attention_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.
     attention itself.
 
     Every K/V row is used as the cache holds it (rounded to bfloat16 under a bfloat16 cache,
-    through int8 under an int8 one),
-    so a prompt gets the same attention whether it is computed in one chunk or several.
+    through int8 under an int8 one, where the query is rounded too: ``as_cached_query``), so a
+    prompt gets the same attention whether it is computed in one chunk or several.
 
     Args:
         query: ``[q_len, num_heads, head_dim]``; key/value: ``[q_len, num_kv_heads, head_dim]``
@@ -222,6 +236,7 @@ def prefill_attention_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.
     q_len, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
+    query, scale = as_cached_query(query, scale, key_cache.dtype)
     q = query.transpose(0, 1).unsqueeze(0)
     ctx = seq.context_len
     window = sliding_window if sliding_window is not None and sliding_window < ctx else None
