@@ -6,6 +6,7 @@ SmolLM2's perplexity."""
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import gguf
 import numpy as np
@@ -21,6 +22,7 @@ from pagedllm.layers.quantization import (KERNEL_MAX_ROWS, Int4Linear, Int4Weigh
                                           W4A8Linear, W8A8Linear, block_q8_0, block_w4a8, int4_from_q4_1,
                                           int4_from_q4_k, quantize_int4, quantize_int8, unblock_q8_0,
                                           unblock_w4a8, w4a8_linear_torch, w8a8_linear_torch, weight_bytes)
+from pagedllm.layers.ops import native_ops
 from pagedllm.models.loader import build_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
@@ -101,8 +103,6 @@ def test_grouped_int8_matmul_matches_dequantized_reference(rows):
 @pytest.mark.parametrize("grouped", [False, True])
 def test_native_int8_dequantize_equals_torch_rows(grouped):
     """The C++ dequantization (prefill path) gives exactly the torch formulation's weight."""
-    from pagedllm.layers.ops import native_ops
-
     weight, _ = _random_linear(102)
     layer = Int8Linear.from_float(weight, None, grouped=grouped)
     assert native_ops() is not None
@@ -491,6 +491,13 @@ def test_q8_0_layout_keeps_codes_scales_and_rows():
     index = torch.tensor([47, 0, 16, 17, 5, 47])
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(layer.rows(index, dtype), grouped.rows(index, dtype))
+    if native_ops() is not None:  # the C++ lookup, against the torch formula it replaces
+        with mock.patch("pagedllm.layers.quantization.native_ops", return_value=None):
+            torch_rows = {dtype: layer.rows(index, dtype) for dtype in (torch.float32, torch.bfloat16)}
+        for dtype, expected in torch_rows.items():
+            assert torch.equal(layer.rows(index, dtype), expected)
+        with pytest.raises(ValueError, match=r"index 48 is outside \[0, 48\)"):
+            layer.rows(torch.tensor([48]))
     with pytest.raises(ValueError, match="out_features divisible by 16 and in_features by 32"):
         Q8_0Linear.from_float(weight[:40], bias[:40])
 
