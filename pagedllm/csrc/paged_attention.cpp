@@ -436,8 +436,8 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   T* out_base = out.data_ptr<T>();
 
   constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
-#if defined(__AVX512BW__)
-  constexpr bool kVector = kHeadDim > 0 && kHeadDim % 64 == 0;  // 64, 128, 256: whole int8 zmm rows
+#if defined(__AVX512BW__)  // an int8 cache's rows are read as whole zmm of 64 codes
+  constexpr bool kVector = kHeadDim > 0 && kHeadDim % 16 == 0 && (!kInt8Cache || kHeadDim % 64 == 0);
 #elif defined(__AVX512F__)
   constexpr bool kVector = kHeadDim > 0 && kHeadDim % 16 == 0 && !kInt8Cache;
 #else
