@@ -187,8 +187,10 @@ def test_smollm2_every_configuration(dtype, quantization, smollm2_weights, smoll
     """Both KV cache dtypes, native ops on and off. fp32 unquantized and fp32 int4 with the
     default cache equal transformers token for token; every configuration's teacher-forced
     prompt logprobs stay within 0.25 of the fp32 model's on average (measured: bf16 ~0.06,
-    int8 ~0.15), w8a8 within 0.4 (measured 0.32 in fp32: every activation is rounded to int8;
-    its perplexity is in test_quantization.py); native equals torch up to near-ties."""
+    int8 ~0.15), w8a8 / w4a8 within 0.5 (every activation is rounded to int8, and over an int8
+    cache the query too; measured up to 0.32 in fp32 and 0.45 in bf16 with the int8 cache, on a
+    prompt of 5 tokens, where one token moves the mean by ~0.2; their perplexity over 2,048
+    tokens is in test_quantization.py and the README); native equals torch up to near-ties."""
     config, state_dict, prequantized, tokenizer, prompts = smollm2_weights
     expected, reference_logprobs = smollm2_reference
     torch_dtype = DTYPES[dtype]
@@ -209,6 +211,6 @@ def test_smollm2_every_configuration(dtype, quantization, smollm2_weights, smoll
             for output, reference in zip(runs[native], reference_logprobs):
                 got = prompt_logprobs(output)
                 mean = sum(abs(x - y) for x, y in zip(got, reference)) / len(reference)
-                assert mean <= (0.4 if quantization in ACTIVATION_QUANTIZATIONS else 0.25), (native, kv_cache_dtype, mean)
+                assert mean <= (0.5 if quantization in ACTIVATION_QUANTIZATIONS else 0.25), (native, kv_cache_dtype, mean)
         for a, b in zip(runs[True], runs[False]):
             assert_same_up_to_near_ties(a, b, tolerance(torch_dtype, kv_cache_dtype, quantization))
