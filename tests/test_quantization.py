@@ -19,9 +19,10 @@ from pagedllm.config import EngineArgs
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantization import (KERNEL_MAX_ROWS, Int4Linear, Int4Weight, Int8Linear, Q8_0Linear,
-                                          W4A8Linear, W8A8Linear, block_q8_0, block_w4a8, int4_from_q4_1,
+                                          W4A8Linear, W8A8Linear, block_q8_0, block_w4a8, block_w8a8, int4_from_q4_1,
                                           int4_from_q4_k, quantize_int4, quantize_int8, unblock_q8_0,
-                                          unblock_w4a8, w4a8_linear_torch, w8a8_linear_torch, weight_bytes)
+                                          unblock_w4a8, unblock_w8a8, w4a8_linear_torch, w8a8_linear_torch,
+                                          weight_bytes)
 from pagedllm.layers.ops import native_ops
 from pagedllm.models.loader import build_model
 from pagedllm.sampling_params import SamplingParams
@@ -214,11 +215,14 @@ def _w8a8_layer(in_features=40, out_features=24, bias=True, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 17, 64, 300])
-@pytest.mark.parametrize("shape,bias", [((40, 24), True), ((576, 96), False)])  # 40: a 16-lane tail
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 7, 17, 64, 300])
+# (in, out): 24 outputs fill a tile and a half (a masked last tile); 42 inputs: 11 steps of 4
+# (an odd count) and 2 codes of padding; 576 x 96: SmolLM2's width, whole tiles.
+@pytest.mark.parametrize("shape,bias", [((40, 24), True), ((42, 24), False), ((576, 96), False)])
 def test_w8a8_native_equals_torch_twin_bitwise(dtype, rows, shape, bias):
-    """Up to 4 rows the op's own integer dot product (VPDPBUSD, or the portable VPMADDWD one),
-    from 5 oneDNN's ``_int_mm``: both exact, so every path is bitwise the torch twin."""
+    """The op's integer dot product over the blocked codes (VPDPBUSD, or the portable
+    VPMADDUBSW one; blocks of 8 rows x 2 tiles, then the rest) is exact, so every path is
+    bitwise the torch twin's ``_int_mm``."""
     from pagedllm.layers import ops
 
     native = ops.native_ops()
@@ -234,6 +238,19 @@ def test_w8a8_native_equals_torch_twin_bitwise(dtype, rows, shape, bias):
         got = native.w8a8_linear(x, *args, portable)
         assert got.dtype == dtype and got.shape == (rows, shape[1])
         assert torch.equal(got, w8a8_linear_torch(x, *args))
+
+
+def test_w8a8_blocked_layout_keeps_every_code():
+    """``block_w8a8`` pads to whole tiles of 16 outputs and steps of 4 inputs with code 0 (byte
+    128), and ``unblock_w8a8`` gives the codes back; byte ``4 ch + i`` of ``[t, j]`` is code
+    ``[16 t + ch, 4 j + i]`` + 128."""
+    codes = torch.randint(-127, 128, (35, 42), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    blocked = block_w8a8(codes)
+    assert blocked.shape == (3, 11, 64) and blocked.dtype == torch.uint8
+    assert int(blocked[1, 2, 4 * 5 + 3]) == int(codes[16 + 5, 4 * 2 + 3]) + 128
+    assert torch.equal(unblock_w8a8(blocked, 35, 42), codes)
+    full = unblock_w8a8(blocked, 48, 44)
+    assert (full[35:] == 0).all() and (full[:, 42:] == 0).all()
 
 
 def test_w8a8_rows_do_not_depend_on_the_batch():

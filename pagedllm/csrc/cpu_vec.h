@@ -41,6 +41,8 @@ inline void store16(c10::BFloat16* p, __m512 x) {
 }
 
 // Masked forms: lanes outside `mask` are read as 0 and left unwritten.
+inline __m512 load16_masked(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline void store16_masked(float* p, __m512 x, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, x); }
 inline __m512 load16_masked(const c10::BFloat16* p, __mmask16 mask) {
   const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));

@@ -10,10 +10,10 @@
 //   packed (mkldnn):  [packed [out, in]] (+ bias)          -> mkldnn::_linear_pointwise
 //   blocked bf16:     [blocked [N/32, K/2, 32, 2]] (+ bias) -> bf16_linear
 //   int8:             [codes [N, K], scales] (+ bias)       -> int8_linear
-//   int8 W8A8:        [codes [N, K], scales [N], smooth_inv [1, K]] (+ bias) -> w8a8_linear
-//                     (told apart from int8 + bias by the third tensor's two dimensions)
 //   uint8 (int4):     [packed [N, K/2], scales, mins] (+ bias) -> int4_linear
-//   uint8 W4A8:       [blocked [N/16, K/32, 320]] (+ bias)  -> w4a8_linear (told by 3 dimensions)
+//   uint8 W8A8:       [blocked [N/16, K/4, 64], scales [N], smooth_inv [1, K]] (+ bias) -> w8a8_linear
+//   uint8 W4A8:       [blocked [N/16, K/32, 320 or 576]] (+ bias) -> w4a8_linear
+//                     (the two told apart by the last dimension)
 // (the quantized kernels on fp32 rows, bf16 activations widened and the result narrowed back).
 
 #include <ATen/ATen.h>
@@ -39,13 +39,13 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& params) {
   const bool widen = x.scalar_type() != at::kFloat;
   switch (first.scalar_type()) {
     case at::kChar: {
-      if (params.size() > 2 && params[2].dim() == 2) {
-        return w8a8_linear(x, first, params[1], params[2], bias_at(3), /*portable=*/false);
-      }
       const at::Tensor y = int8_linear(widen ? x.to(at::kFloat) : x.contiguous(), first, params.at(1), bias_at(2));
       return widen ? y.to(x.scalar_type()) : y;
     }
     case at::kByte: {
+      if (first.dim() == 3 && first.size(2) == 64) {  // W8A8Linear.codes
+        return w8a8_linear(x, first, params.at(1), params.at(2), bias_at(3), /*portable=*/false);
+      }
       if (first.dim() == 3) return w4a8_linear(x, first, bias_at(1), /*portable=*/false);
       const at::Tensor y = int4_linear(widen ? x.to(at::kFloat) : x.contiguous(), first, params.at(1), params.at(2),
                                        bias_at(3));

@@ -1,10 +1,9 @@
 // W8A8 linear layer: int8 weights (per output channel) times int8 activations (per token,
-// quantized on the fly), accumulated in int32 by oneDNN through at::_int_mm, which uses the
-// CPU's integer dot-product units where it has them (AVX512_VNNI / AVX_VNNI vpdpbusd, AMX-INT8)
-// and chooses them at run time. The scheme is SmoothQuant's (Xiao et al. 2023, "SmoothQuant",
-// sections 3-4: per-token dynamic activation scales, per-channel weight scales, activation
-// outliers migrated into the weights by a per-input-channel factor) and the arithmetic of
-// vLLM's CPU int8 W8A8 path (csrc/cpu/dnnl_kernels.cpp: dynamic per-token symmetric int8).
+// quantized on the fly), multiplied in integers by the CPU's u8 x s8 dot product. The scheme is
+// SmoothQuant's (Xiao et al. 2023, "SmoothQuant", sections 3-4: per-token dynamic activation
+// scales, per-channel weight scales, activation outliers migrated into the weights by a
+// per-input-channel factor) and the arithmetic of vLLM's CPU int8 W8A8 path
+// (csrc/cpu/dnnl_kernels.cpp: dynamic per-token symmetric int8).
 //
 //   v[m, k]  = x[m, k] * smooth_inv[k]                     (fp32)
 //   s_x[m]   = max_k |v[m, k]| / 127 (1 for an all-zero row)
@@ -13,9 +12,25 @@
 //   y[m, n]  = (float(acc[m, n]) * s_x[m]) * scales[n] + bias[n], stored in x's dtype
 //
 // The pure-torch twin (pagedllm/layers/quantization.py, w8a8_linear_torch) performs the same
-// fp32 operations in the same order, so the two agree bitwise: the integer product is exact
-// and every rounding happens in the same place. That needs each multiply and add rounded on
-// its own, so this file is compiled without FMA contraction.
+// fp32 operations in the same order, with torch._int_mm for the product, so the two agree
+// bitwise: the integer product is exact and every rounding happens in the same place. That
+// needs each multiply and add rounded on its own, so this file is compiled without FMA
+// contraction. A row's result does not depend on the other rows of the batch.
+//
+// Weight layout (W8A8Linear.codes, block_w8a8): [ceil(N / 16), ceil(K / 4), 64] uint8, for each
+// tile of 16 output channels and each 4 inputs the 16 channels' 4 codes + 128: byte 4 ch + i of
+// [t, j] is codes[16 t + ch, 4 j + i] + 128 (padding: 128, code 0). One 64-byte load is a tile's
+// next 4 inputs as unsigned bytes, which VPDPBUSD multiplies by a row's 4 signed codes broadcast
+// to every lane, summing into one int32 lane per channel: no horizontal sums, and a tile is one
+// sequential stream. The + 128 comes back out as 128 * sum_k q[r, k] per row (exact).
+//
+// oneDNN's _int_mm, used here before, reorders an [N, K] weight on every call. With the weights
+// out of cache, as every layer of a step finds them, the 120 matmuls of a 64-row SmolLM2 decode
+// step took ~30 ms through it where the same products took ~18 ms from cache; this kernel,
+// which reads each weight byte once per block of rows, is as fast as _int_mm from 2,048 rows
+// down and faster below (bench/README.md). Without AVX512_VNNI (or with `portable`) the dot
+// product is VPMADDUBSW + VPMADDWD on the weight's two nibbles, whose int16 pair sums cannot
+// saturate (2 * 15 * 127 < 32767): the same int32 sums. Without AVX512BW a scalar loop.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,7 +40,6 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
-#include <vector>
 
 #include "cpu_vec.h"
 #include "ops.h"
@@ -86,139 +100,173 @@ float quantize_row(const T* x, const float* smooth_inv, int8_t* q, int64_t k) {
   return scale;
 }
 
-// One row of the output: y [N] = (float(acc) * x_scale) * scales (+ bias).
-template <typename T>
-void dequantize_row(const int32_t* acc, float x_scale, const float* scales, const float* bias, T* y, int64_t n) {
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  const __m512 vx = _mm512_set1_ps(x_scale);
-  for (; j + 16 <= n; j += 16) {
-    const __m512i a = _mm512_loadu_si512(acc + j);
-    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), vx), _mm512_loadu_ps(scales + j));
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
-    pagedllm_vec::store16(y + j, v);
-  }
-#endif
-  for (; j < n; ++j) {
-    float v = (static_cast<float>(acc[j]) * x_scale) * scales[j];
-    if (bias != nullptr) v = v + bias[j];
-    store_scalar(y + j, v);
-  }
-}
-
-// Few rows (decode): acc[r, n] = sum_k q[r, k] * codes[n, k] by the CPU's u8 x s8 dot product
-// (VPDPBUSD) straight from codes [N, K], one channel's row after another (a sequential stream:
-// oneDNN's _int_mm takes 3-4x the weight's read time at one row). The unsigned operand is
-// |q| and the weight's sign is flipped where q < 0 (llama.cpp's trick for its Q8_0 dot), so
-// every product is exact and the int32 sums equal _int_mm's. Without AVX512_VNNI (or with
-// `portable`) both are widened to int16 and multiplied by VPMADDWD, exact too.
-constexpr int64_t kFewRows = 4;
-// Software prefetch of the channel this many rows ahead (prefetches never fault past the end).
-constexpr int64_t kPrefetchRows = 4;
+constexpr int64_t kTile = 16;         // output channels per tile
+constexpr int64_t kBlockRows = 8;     // rows per register block (x kBlockTiles int32 accumulators)
+constexpr int64_t kBlockTiles = 2;    // tiles per register block
+constexpr int64_t kRowBlock = 128;    // rows whose codes stay in L2 while a chunk of tiles passes
+constexpr int64_t kChunkBytes = 256 << 10;  // a chunk's weights, in L2 beside the rows
 
 #if defined(__AVX512BW__)
-template <int R, bool Vnni>
-void few_rows_channel(const uint8_t* absq, const __mmask64* negative, const int8_t* w, int64_t k, int32_t* acc_out) {
-  __m512i acc[kFewRows];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
-  const int64_t chunks = (k + 63) / 64;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const __mmask64 live = c * 64 + 64 <= k ? ~0ULL : (1ULL << (k - c * 64)) - 1;
-    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * k + c * 64), _MM_HINT_T0);
-    const __m512i wv = _mm512_maskz_loadu_epi8(live, w + c * 64);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_loadu_si512(absq + r * chunks * 64 + c * 64);  // padded with zeros
-      const __m512i signed_w = _mm512_mask_sub_epi8(wv, negative[r * chunks + c], _mm512_setzero_si512(), wv);
+// y[r, 16 t : 16 t + 16] for R rows and TB tiles from `tile` on (`last`: the channels of tile
+// TB - 1 that exist). q holds `steps` * 4 codes per row. The accumulators are locals of this
+// function only, indexed by unrolled constants, so GCC keeps them in registers (passed by
+// reference to a helper, it kept them on the stack).
+template <int R, int TB, bool Vnni, typename T>
+inline void blocked_block(const int8_t* q, const int32_t* qsum, const float* xs, int64_t steps, const uint8_t* tile,
+                          const float* scales, const float* bias, __mmask16 last, T* y, int64_t n) {
+  const int64_t kp = steps * 4, tile_bytes = kp * kTile;
+  // With fewer than 4 accumulators one chain each would stall on VPDPBUSD's latency: then
+  // the inputs alternate between two sets, added at the end (exact).
+  constexpr int kChains = R * TB < 4 ? 2 : 1;
+  __m512i acc[kChains][R][TB];
+#pragma GCC unroll 2
+  for (int c = 0; c < kChains; ++c)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int t = 0; t < TB; ++t) acc[c][r][t] = _mm512_setzero_si512();
+  const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
+  for (int64_t j0 = 0; j0 < steps; j0 += kChains) {
+#pragma GCC unroll 2
+    for (int c = 0; c < kChains; ++c) {
+      const int64_t j = j0 + c;
+      if (kChains > 1 && j == steps) break;  // an odd number of steps
+      __m512i w[TB];
+#pragma GCC unroll 2
+      for (int t = 0; t < TB; ++t) w[t] = _mm512_loadu_si512(tile + t * tile_bytes + j * 64);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i x = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(q + r * kp + 4 * j));
+#pragma GCC unroll 2
+        for (int t = 0; t < TB; ++t) {
 #if defined(__AVX512VNNI__)
-      if constexpr (Vnni) {
-        acc[r] = _mm512_dpbusd_epi32(acc[r], xv, signed_w);
-        continue;
-      }
+          if constexpr (Vnni) {
+            // Inline asm for an in-place accumulate: through the intrinsic GCC copied every
+            // accumulator to another register and back on each VPDPBUSD.
+            asm("vpdpbusd %2, %1, %0" : "+v"(acc[c][r][t]) : "v"(w[t]), "v"(x));
+            continue;
+          }
 #endif
-      // |q| <= 127 and the weights in [-127, 127]: int16 pairs, then VPMADDWD's exact int32 sums.
-      const __m512i x_lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(xv));
-      const __m512i x_hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(xv, 1));
-      const __m512i w_lo = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(signed_w));
-      const __m512i w_hi = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(signed_w, 1));
-      acc[r] = _mm512_add_epi32(acc[r], _mm512_add_epi32(_mm512_madd_epi16(x_lo, w_lo), _mm512_madd_epi16(x_hi, w_hi)));
+          const __m512i lo = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(w[t], low4), x), ones);
+          const __m512i hi =
+              _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(w[t], 4), low4), x), ones);
+          acc[c][r][t] = _mm512_add_epi32(acc[c][r][t], _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 4)));
+        }
+      }
     }
   }
-  for (int r = 0; r < R; ++r) acc_out[r] = _mm512_reduce_add_epi32(acc[r]);
+#pragma GCC unroll 2
+  for (int t = 0; t < TB; ++t) {
+    const __mmask16 live = t == TB - 1 ? last : __mmask16(0xFFFF);
+    const __m512 sc = pagedllm_vec::load16_masked(scales + t * kTile, live);
+    const __m512 b = bias != nullptr ? pagedllm_vec::load16_masked(bias + t * kTile, live) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i sum = kChains == 2 ? _mm512_add_epi32(acc[0][r][t], acc[kChains - 1][r][t]) : acc[0][r][t];
+      const __m512i exact = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * qsum[r]));
+      __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(xs[r])), sc);
+      if (bias != nullptr) v = _mm512_add_ps(v, b);
+      pagedllm_vec::store16_masked(y + r * n + t * kTile, v, live);
+    }
+  }
+}
+
+// Rows [0, rows) times TB tiles from `tile` on: blocks of kBlockRows rows, then the rest.
+template <int TB, bool Vnni, typename T>
+void blocked_rows(const int8_t* q, const int32_t* qsum, const float* xs, int64_t rows, int64_t steps,
+                  const uint8_t* tile, const float* scales, const float* bias, __mmask16 last, T* y, int64_t n) {
+  const int64_t kp = steps * 4;
+  int64_t r = 0;
+  for (; r + kBlockRows <= rows; r += kBlockRows)
+    blocked_block<kBlockRows, TB, Vnni>(q + r * kp, qsum + r, xs + r, steps, tile, scales, bias, last, y + r * n, n);
+  switch (rows - r) {
+#define CASE(R)                                                                                                 \
+  case R:                                                                                                       \
+    blocked_block<R, TB, Vnni>(q + r * kp, qsum + r, xs + r, steps, tile, scales, bias, last, y + r * n, n); \
+    break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
+#undef CASE
+    default: break;
+  }
 }
 #endif
 
-// acc [m, n] int32 = q [m, k] @ codes.T for m <= kFewRows.
-void few_rows_int_mm(const int8_t* q, int64_t m, const int8_t* codes, int64_t n, int64_t k, int32_t* acc, bool portable) {
+// y [m, n] = the formula above for q [m, steps * 4] (zero-padded rows) and the blocked weight w.
+// Threads take contiguous runs of tile pairs; a run is cut into chunks, and each chunk passes
+// over every block of kRowBlock rows.
+template <typename T>
+void blocked_linear(const int8_t* q, const int32_t* qsum, const float* xs, int64_t m, int64_t steps,
+                    const uint8_t* w, int64_t n, const float* scales, const float* bias, T* y, bool portable) {
+  const int64_t tiles = (n + kTile - 1) / kTile, kp = steps * 4, tile_bytes = kp * kTile;
+  const int64_t pairs = (tiles + kBlockTiles - 1) / kBlockTiles;
+  const int64_t chunk_pairs = std::max<int64_t>(1, kChunkBytes / (kBlockTiles * tile_bytes));
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t chunk = begin; chunk < end; chunk += chunk_pairs) {
+      for (int64_t row0 = 0; row0 < m; row0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, m - row0);
+        for (int64_t p = chunk; p < std::min(end, chunk + chunk_pairs); ++p) {
+          const int64_t t = p * kBlockTiles, count = std::min(kBlockTiles, tiles - t);
+          const int64_t live = std::min<int64_t>(kTile, n - (t + count - 1) * kTile);  // in the last tile
+          const uint8_t* tile = w + t * tile_bytes;
+          const float* sc = scales + t * kTile;
+          const float* b = bias != nullptr ? bias + t * kTile : nullptr;
+          T* out = y + row0 * n + t * kTile;
+          const int8_t* qr = q + row0 * kp;
 #if defined(__AVX512BW__)
-  const int64_t chunks = (k + 63) / 64;
-  std::vector<uint8_t> absq(m * chunks * 64, 0);
-  std::vector<__mmask64> negative(m * chunks, 0);
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t i = 0; i < k; ++i) {
-      const int8_t v = q[r * k + i];
-      absq[r * chunks * 64 + i] = static_cast<uint8_t>(v < 0 ? -v : v);
-      if (v < 0) negative[r * chunks + i / 64] |= 1ULL << (i % 64);
-    }
-  }
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    int32_t sums[kFewRows];
-    for (int64_t c = begin; c < end; ++c) {
-      switch (m) {
-#define CASE(R)                                                                                               \
-  case R:                                                                                                     \
-    if (portable) few_rows_channel<R, false>(absq.data(), negative.data(), codes + c * k, k, sums);           \
-    else few_rows_channel<R, true>(absq.data(), negative.data(), codes + c * k, k, sums);                     \
-    break;
-        CASE(1) CASE(2) CASE(3) CASE(4)
-#undef CASE
-        default: break;
-      }
-      for (int64_t r = 0; r < m; ++r) acc[r * n + c] = sums[r];
-    }
-  });
+          const __mmask16 last = static_cast<__mmask16>((1u << live) - 1);
+          if (count == 2) {
+            if (portable) blocked_rows<2, false>(qr, qsum + row0, xs + row0, rows, steps, tile, sc, b, last, out, n);
+            else blocked_rows<2, true>(qr, qsum + row0, xs + row0, rows, steps, tile, sc, b, last, out, n);
+          } else {
+            if (portable) blocked_rows<1, false>(qr, qsum + row0, xs + row0, rows, steps, tile, sc, b, last, out, n);
+            else blocked_rows<1, true>(qr, qsum + row0, xs + row0, rows, steps, tile, sc, b, last, out, n);
+          }
 #else
-  (void)portable;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t c = begin; c < end; ++c) {
-        int32_t sum = 0;
-        for (int64_t i = 0; i < k; ++i) sum += static_cast<int32_t>(q[r * k + i]) * codes[c * k + i];
-        acc[r * n + c] = sum;
-      }
-  });
+          (void)portable;
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t ch = 0; ch < (count - 1) * kTile + live; ++ch) {
+              const uint8_t* wt = tile + (ch / kTile) * tile_bytes + (ch % kTile) * 4;
+              int32_t sum = 0;
+              for (int64_t i = 0; i < kp; ++i) sum += static_cast<int32_t>(wt[(i / 4) * 64 + i % 4]) * qr[r * kp + i];
+              sum -= 128 * qsum[row0 + r];
+              float v = (static_cast<float>(sum) * xs[row0 + r]) * sc[ch];
+              if (b != nullptr) v = v + b[ch];
+              store_scalar(out + r * n + ch, v);
+            }
+          }
 #endif
+        }
+      }
+    }
+  });
 }
 
 template <typename T>
 at::Tensor w8a8_linear_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                             const at::Tensor& smooth_inv, const std::optional<at::Tensor>& bias, bool portable) {
-  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
-  at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
+  const int64_t m = x.size(0), k = x.size(1), n = scales.size(0), steps = codes.size(1), kp = steps * 4;
+  at::Tensor q = at::empty({m, kp}, x.options().dtype(at::kChar));
   at::Tensor x_scales = at::empty({m}, x.options().dtype(at::kFloat));
+  at::Tensor q_sums = at::empty({m}, x.options().dtype(at::kInt));
   const T* xp = x.data_ptr<T>();
   const float* sp = smooth_inv.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* xsp = x_scales.data_ptr<float>();
+  int32_t* qsp = q_sums.data_ptr<int32_t>();
   // Grains of about 64K elements: below that a parallel region costs more than it saves.
   at::parallel_for(0, m, std::max<int64_t>(1, kParallelElements / k), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) xsp[r] = quantize_row(xp + r * k, sp, qp + r * k, k);
+    for (int64_t r = begin; r < end; ++r) {
+      int8_t* row = qp + r * kp;
+      xsp[r] = quantize_row(xp + r * k, sp, row, k);
+      std::fill(row + k, row + kp, int8_t{0});
+      int32_t sum = 0;
+      for (int64_t i = 0; i < k; ++i) sum += row[i];
+      qsp[r] = sum;
+    }
   });
-  at::Tensor acc;
-  if (m <= kFewRows) {
-    acc = at::empty({m, n}, x.options().dtype(at::kInt));
-    few_rows_int_mm(qp, m, codes.data_ptr<int8_t>(), n, k, acc.data_ptr<int32_t>(), portable);
-  } else {
-    acc = at::_int_mm(q, codes.t());
-  }
   at::Tensor y = at::empty({m, n}, x.options());
-  const int32_t* ap = acc.data_ptr<int32_t>();
-  const float* wsp = scales.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  T* yp = y.data_ptr<T>();
-  at::parallel_for(0, m, std::max<int64_t>(1, kParallelElements / n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) dequantize_row(ap + r * n, xsp[r], wsp, bp, yp + r * n, n);
-  });
+  blocked_linear(qp, qsp, xsp, m, steps, codes.data_ptr<uint8_t>(), n, scales.data_ptr<float>(),
+                 bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<T>(), portable);
   return y;
 }
 
@@ -226,16 +274,17 @@ at::Tensor w8a8_linear_impl(const at::Tensor& x, const at::Tensor& codes, const 
 
 at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& smooth_inv, const std::optional<at::Tensor>& bias, bool portable) {
-  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
-                    "w8a8_linear: codes must be a contiguous int8 [N, K] tensor");
-  const int64_t n = codes.size(0), k = codes.size(1);
-  TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.size(1) == k &&
-                        (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
-                    "w8a8_linear: x must be float32 or bfloat16 [M, ", k, "], got ", x_in.scalar_type(), " ",
-                    x_in.sizes());
-  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 1 &&
-                        scales.size(0) == n,
-                    "w8a8_linear: scales must be float32 [", n, "], got ", scales.sizes());
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 1,
+                    "w8a8_linear: scales must be float32 [N], got ", scales.scalar_type(), " ", scales.sizes());
+  const int64_t n = scales.size(0);
+  TORCH_CHECK_VALUE(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+                    "w8a8_linear: x must be float32 or bfloat16 [M, K], got ", x_in.scalar_type(), " ", x_in.sizes());
+  const int64_t k = x_in.size(1);
+  TORCH_CHECK_VALUE(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                        codes.size(0) == (n + kTile - 1) / kTile && codes.size(1) == (k + 3) / 4 && codes.size(2) == 64,
+                    "w8a8_linear: codes must be a contiguous uint8 [", (n + kTile - 1) / kTile, ", ", (k + 3) / 4,
+                    ", 64] tensor (block_w8a8 of an [N, K] = [", n, ", ", k, "] weight), got ", codes.scalar_type(),
+                    " ", codes.sizes());
   TORCH_CHECK_VALUE(smooth_inv.scalar_type() == at::kFloat && smooth_inv.is_contiguous() && smooth_inv.dim() == 2 &&
                         smooth_inv.size(0) == 1 && smooth_inv.size(1) == k,
                     "w8a8_linear: smooth_inv must be float32 [1, ", k, "], got ", smooth_inv.sizes());
