@@ -2,7 +2,7 @@
 against pagedllm's own int8/int4 kernels (``csrc/quant_gemm.cpp``, fp32 activations), torch's
 int8 weight-only kernel (bf16 activations), dequantize-then-matmul, the packed bf16 GEMM that
 ``dtype=bfloat16`` runs (``Linear.pack``) and W8A8 (``csrc/w8a8.cpp``: per-token int8
-activations, ``torch._int_mm``; bf16 input), for SmolLM2/Qwen2 layer shapes and row counts
+activations times int8 codes blocked for VPDPBUSD; bf16 input), for SmolLM2/Qwen2 layer shapes and row counts
 from decode (1) to prefill chunks (2048).
 
 Prints milliseconds (best of ``--repeats``) and each method's time relative to fp32 in the same

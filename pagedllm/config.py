@@ -100,7 +100,7 @@ class EngineArgs:
         None, "quantization of the linear layers. Weight-only: int8 (per channel) or int4 (groups of "
               "32, asymmetric; GGUF Q4_1/Q4_K tensors are used as they are); w8a8: int8 weights "
               "and int8 activations quantized per token (SmoothQuant, calibrated at load on the "
-              "shipped text; the integer dot-product units: VNNI, AMX); w4a8: int4 weights as "
+              "shipped text; multiplied by the CPU's integer dot product, VNNI's vpdpbusd); w4a8: int4 weights as "
               "int4 (fp16 scales) and int8 activations per token and group of 32, multiplied "
               "in integers (llama.cpp's Q4_1 x Q8_1 dot), see "
               "pagedllm/layers/quantization.py. awq, gptq, compressed-tensors: a Hugging Face "

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 
@@ -47,6 +48,38 @@ using pagedllm_vec::store16;
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+#if defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+// s[i] lane j = float(q_i . k_j) for 16 query rows of int8 codes (q_codes [16][kHeadDim],
+// q_offsets[i] = 128 * sum of row i's codes) and 16 keys at kt8 (bytes k + 128, 4 dimensions
+// per key, rows of 4 dimensions `padded` keys apart). The sums are exact, so these are bitwise
+// the fp32 sums of integer products of the generic path. The accumulators are locals indexed
+// by unrolled constants and VPDPBUSD is inline asm, so GCC keeps them in registers without a
+// copy per instruction (csrc/w8a8.cpp); inlined into prefill_impl, it kept them on the stack.
+template <int kHeadDim>
+__attribute__((noinline)) void int_scores(const int8_t* q_codes, const int32_t* q_offsets,
+                                          const uint8_t* kt8, int64_t padded, __m512 (&s)[kTile]) {
+  __m512i acc[kTile];
+#pragma GCC unroll 16
+  for (int i = 0; i < kTile; ++i) acc[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int d4 = 0; d4 < kHeadDim / 4; ++d4) {
+    const __m512i k = _mm512_loadu_si512(kt8 + d4 * padded * 4);
+#pragma GCC unroll 16
+    for (int i = 0; i < kTile; ++i) {
+      const __m512i q = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(q_codes + i * kHeadDim + 4 * d4));
+      asm("vpdpbusd %2, %1, %0" : "+v"(acc[i]) : "v"(k), "v"(q));
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < kTile; ++i) s[i] = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], _mm512_set1_epi32(q_offsets[i])));
+}
+#else
+constexpr bool kVnni = false;
+template <int kHeadDim>
+inline void int_scores(const int8_t*, const int32_t*, const uint8_t*, int64_t, __m512 (&)[kTile]) {}
+#endif
 
 // Rows of the output accumulator kept in registers while a key tile is added: 16 zmm.
 template <int kHeadDim>
@@ -79,14 +112,26 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   // a score is then an fp32 sum of integer products, exact (|sum| <= 256 * 127 * 127 < 2^24),
   // times q_scale * k_scale, bitwise the decode kernel's score (paged_attention.cpp).
   constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
-  std::vector<float> kt(static_cast<size_t>(num_kv_heads * kHeadDim * padded), 0.f);
+  // With AVX512_VNNI an int8 cache's keys go instead into kt8, as unsigned bytes k + 128 grouped
+  // by 4 dimensions: kt8[((h * kHeadDim / 4 + d / 4) * padded + pos) * 4 + d % 4], so one 64-byte
+  // load is 16 keys x 4 dimensions and one VPDPBUSD adds them times a query's 4 codes (the
+  // decode kernel's integer scores, kKeyOffset = 128 * sum(q codes) subtracted per row).
+  constexpr bool kIntScores = kInt8Cache && kVnni;
+  std::vector<float> kt(kIntScores ? 0 : static_cast<size_t>(num_kv_heads * kHeadDim * padded), 0.f);
+  std::vector<uint8_t> kt8(kIntScores ? static_cast<size_t>(num_kv_heads * kHeadDim * padded) : 0, 0x80);
   std::vector<float> k_scales(kInt8Cache ? static_cast<size_t>(num_kv_heads * padded) : 0, 0.f);
-  at::parallel_for(0, context_len, 256, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, context_len, 64, [&](int64_t begin, int64_t end) {
     for (int64_t pos = begin; pos < end; ++pos) {
       const C* row = row_of(k_base, pos);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const C* head_row = row + h * kRow;
-        for (int d = 0; d < kHeadDim; ++d) kt[(h * kHeadDim + d) * padded + pos] = to_float(head_row[d]);
+        if constexpr (kIntScores) {
+          for (int d = 0; d < kHeadDim; ++d) {
+            kt8[((h * kHeadDim / 4 + d / 4) * padded + pos) * 4 + d % 4] = static_cast<uint8_t>(head_row[d] + 128);
+          }
+        } else {
+          for (int d = 0; d < kHeadDim; ++d) kt[(h * kHeadDim + d) * padded + pos] = to_float(head_row[d]);
+        }
         if constexpr (kInt8Cache) k_scales[h * padded + pos] = kv_row_scale(head_row, kHeadDim);
       }
     }
@@ -97,8 +142,11 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
     alignas(64) float q[kTile * kHeadDim];
     alignas(64) float o[kTile * kHeadDim];
     alignas(64) float p[kTile * kTile];
+    alignas(64) float v_wide[kTile * kHeadDim];  // an int8 cache: a tile's V codes as fp32
     float m[kTile], l[kTile], alpha[kTile], q_scales[kTile];
     int8_t q8[kHeadDim + kKvScaleBytes];
+    alignas(64) int8_t q_codes[kTile * kHeadDim];  // kIntScores: the rows' codes
+    int32_t q_offsets[kTile];                      // kIntScores: 128 * sum of a row's codes
     for (int64_t item = begin; item < end; ++item) {
       const int64_t head = item / tiles, tile = item % tiles;
       const int64_t kv_head = head / group;
@@ -111,21 +159,32 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
         }
         if constexpr (kInt8Cache) {
           quantize_kv_row(q8, qi, kHeadDim);
-          for (int d = 0; d < kHeadDim; ++d) qi[d] = q8[d];
+          int32_t sum = 0;
+          for (int d = 0; d < kHeadDim; ++d) {
+            qi[d] = q8[d];
+            q_codes[i * kHeadDim + d] = q8[d];
+            sum += q8[d];
+          }
+          q_offsets[i] = 128 * sum;
           q_scales[i] = kv_row_scale(q8, kHeadDim);
         }
         m[i] = -std::numeric_limits<float>::infinity();
         l[i] = 0.f;
       }
       std::fill(o, o + kTile * kHeadDim, 0.f);
-      const float* k_head = kt.data() + kv_head * kHeadDim * padded;
+      const float* k_head = kIntScores ? nullptr : kt.data() + kv_head * kHeadDim * padded;
       for (int64_t key0 = 0; key0 <= last_pos; key0 += kTile) {
         // Scores of the tile: s[i] lane j = q_i . k_(key0 + j).
         __m512 s[kTile];
-        for (int i = 0; i < kTile; ++i) s[i] = _mm512_setzero_ps();
-        for (int d = 0; d < kHeadDim; ++d) {
-          const __m512 k = _mm512_loadu_ps(k_head + d * padded + key0);
-          for (int i = 0; i < kTile; ++i) s[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * kHeadDim + d]), k, s[i]);
+        if constexpr (kIntScores) {
+          int_scores<kHeadDim>(q_codes, q_offsets, kt8.data() + (kv_head * kHeadDim / 4 * padded + key0) * 4,
+                               padded, s);
+        } else {
+          for (int i = 0; i < kTile; ++i) s[i] = _mm512_setzero_ps();
+          for (int d = 0; d < kHeadDim; ++d) {
+            const __m512 k = _mm512_loadu_ps(k_head + d * padded + key0);
+            for (int i = 0; i < kTile; ++i) s[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * kHeadDim + d]), k, s[i]);
+          }
         }
         if constexpr (kInt8Cache) {
           const __m512 ks = _mm512_loadu_ps(k_scales.data() + kv_head * padded + key0);
@@ -151,10 +210,19 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
         // o = alpha * o + p @ v over the tile's keys, kRows query rows at a time in registers.
         const int64_t keys = std::min(kTile, last_pos + 1 - key0);
         const C* v_rows[kTile];
-        float v_scales[kTile];
+        alignas(64) float v_scales[kTile] = {};
         for (int64_t j = 0; j < keys; ++j) {
           v_rows[j] = row_of(v_base, key0 + j) + kv_head * kRow;
           v_scales[j] = kv_row_scale(v_rows[j], kHeadDim);
+        }
+        // An int8 cache: each weight times its key's V scale once (the same fp32 product as one
+        // per row group), and the tile's V codes widened to fp32 once (exact) for all groups.
+        if constexpr (kInt8Cache) {
+          const __m512 vs = _mm512_load_ps(v_scales);
+          for (int i = 0; i < kTile; ++i) _mm512_storeu_ps(p + i * kTile, _mm512_mul_ps(_mm512_loadu_ps(p + i * kTile), vs));
+          for (int64_t j = 0; j < keys; ++j) {
+            for (int c = 0; c < kChunks; ++c) _mm512_store_ps(v_wide + j * kHeadDim + 16 * c, load16(v_rows[j] + 16 * c));
+          }
         }
         for (int r0 = 0; r0 < kTile; r0 += kRows) {
           __m512 acc[kRows * kChunks];
@@ -166,10 +234,12 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
           }
           for (int64_t j = 0; j < keys; ++j) {
             __m512 v[kChunks];
-            for (int c = 0; c < kChunks; ++c) v[c] = load16(v_rows[j] + 16 * c);
+            for (int c = 0; c < kChunks; ++c) {
+              if constexpr (kInt8Cache) v[c] = _mm512_load_ps(v_wide + j * kHeadDim + 16 * c);
+              else v[c] = load16(v_rows[j] + 16 * c);
+            }
             for (int r = 0; r < kRows; ++r) {
-              const float pj = p[(r0 + r) * kTile + j];
-              const __m512 w = _mm512_set1_ps(kv_row_extra<C>() > 0 ? pj * v_scales[j] : pj);
+              const __m512 w = _mm512_set1_ps(p[(r0 + r) * kTile + j]);
               for (int c = 0; c < kChunks; ++c) acc[r * kChunks + c] = _mm512_fmadd_ps(w, v[c], acc[r * kChunks + c]);
             }
           }
