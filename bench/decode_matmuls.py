@@ -6,8 +6,8 @@ step, every weight streams from memory), two ways each, alternated in one proces
 - bf16: oneDNN's packed matmul (``mkldnn::_linear_pointwise``, what ``Linear.pack`` did for
   bf16 before) against ``bf16_linear`` over ``block_bf16`` tiles in 2 MiB pages (what it does
   now where the C++ ops are built).
-- w8a8: ``torch._int_mm`` on the int8 rows alone against the whole ``w8a8_linear`` op (quantize,
-  integer product, dequantize), which takes its own dot product up to 4 rows.
+- w8a8: ``torch._int_mm`` on ``[N, K]`` codes and int8 rows alone against the whole
+  ``w8a8_linear`` op (quantize, integer product over ``block_w8a8`` codes, dequantize).
 - 4-bit: ``int4_linear`` (fp32 activations, codes widened to fp32 in registers; up to 64 rows,
   the engine dequantizes beyond) against ``w4a8_linear`` (int8 activations, integer dot
   products, every row count).
@@ -27,7 +27,7 @@ import torch
 from pagedllm.huge_pages import move_weights_to_huge_pages
 from pagedllm.layers.linear import block_bf16
 from pagedllm.layers.ops import native_ops
-from pagedllm.layers.quantization import Int4Linear, W4A8Linear, quantize_int4
+from pagedllm.layers.quantization import Int4Linear, W4A8Linear, block_w8a8, quantize_int4
 from pagedllm.worker.model_runner import _keep_freed_memory_mapped
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
@@ -68,6 +68,7 @@ def main() -> None:
     arena.codes = torch.nn.ParameterList([torch.nn.Parameter(torch.randint(-127, 128, shape, generator=g,
                                                                            dtype=torch.int8), requires_grad=False)
                                           for shape in shapes])
+    arena.blocked = torch.nn.ParameterList([torch.nn.Parameter(block_w8a8(c), requires_grad=False) for c in arena.codes])
     int4 = [quantize_int4(w.float(), half_scales=True) for w in weights]
     arena.int4 = torch.nn.ModuleList([Int4Linear(w, None) for w in int4])
     arena.w4a8 = torch.nn.ModuleList([W4A8Linear(w, None) for w in int4])
@@ -89,7 +90,7 @@ def main() -> None:
             "int_mm": [lambda c=c, k=s[1]: torch._int_mm(q[k] if rows > 16 else torch.zeros(17, k, dtype=torch.int8),
                                                          c.t()) for c, s in zip(arena.codes, shapes)],
             "w8a8": [lambda c=c, sc=sc, k=s[1]: ops.w8a8_linear(x[k], c, sc, smooth_inv[k], None)
-                     for c, sc, s in zip(arena.codes, scales, shapes)],
+                     for c, sc, s in zip(arena.blocked, scales, shapes)],
             "int4": [lambda m=m, k=s[1]: ops.int4_linear(x32[k], m.packed, m.scales, m.mins, None)
                      for m, s in zip(arena.int4, shapes)] if rows <= 64 else None,
             "w4a8": [lambda m=m, k=s[1]: ops.w4a8_linear(x[k], m.blocked, None) for m, s in zip(arena.w4a8, shapes)],
