@@ -6,6 +6,7 @@ request run alone), which computes every token.
 
 from __future__ import annotations
 
+import logging
 import random
 
 from pagedllm import SamplingParams
@@ -87,7 +88,7 @@ def test_b14_full_cache_hit_still_computes_last_token():
     assert stats.prefix_cache_queries == 3 * BLOCK * 3 + 1
 
 
-def test_b15_preemption_meets_prefix_cache():
+def test_b15_preemption_meets_prefix_cache(caplog):
     rng = random.Random(15)
     shared = [tokens(rng, 9), tokens(rng, 13)]
     prompts = {f"r{i}": shared[i % 2] + tokens(rng, rng.randint(1, 6)) for i in range(8)}
@@ -95,8 +96,13 @@ def test_b15_preemption_meets_prefix_cache():
     # 20 blocks of 4 tokens for 8 requests growing to ~40 tokens: constant preemption, and
     # resumed requests find their own and their neighbours' blocks in the cache.
     engine = make_tiny_engine(num_gpu_blocks_override=20, max_num_batched_tokens=32, max_model_len=64)
-    finals = run(engine, prompts, params)
+    with caplog.at_level(logging.WARNING, logger="pagedllm.engine.llm_engine"):
+        finals = run(engine, prompts, params)
     assert engine.scheduler.num_preemptions > 0
+    # A warning at the first preemption and at every 50th (vLLM's cadence).
+    warnings = [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()]
+    assert len(warnings) == 1 + engine.scheduler.num_preemptions // 50, warnings
+    assert "1 preemptions so far" in warnings[0]
     assert engine.get_kv_cache_stats().prefix_cache_hits > 0
     # Reference: no cache and a pool big enough that nobody is preempted (batching itself
     # changes nothing: see test_core_engine).

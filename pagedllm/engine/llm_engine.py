@@ -411,6 +411,8 @@ class LLMEngine:
         step_start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         self._iteration = self._iteration_stats(scheduler_output, step_start)
+        if scheduler_output.preempted:
+            self._log_preemptions(scheduler_output.preempted)
         if scheduler_output.is_empty:
             return outputs
         if self._built_on_thread is not None and threading.get_ident() != self._built_on_thread:
@@ -480,6 +482,15 @@ class LLMEngine:
                 request.status = RequestStatus.FINISHED_STOPPED
             else:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _log_preemptions(self, preempted: list[Request]) -> None:
+        """A warning at the first preemption and at every 50th after it (vLLM's cadence,
+        ``v1/core/sched/scheduler.py``): preemption by recompute costs throughput silently."""
+        total = self.scheduler.num_preemptions
+        if total - len(preempted) == 0 or total // 50 > (total - len(preempted)) // 50:
+            logger.warning("preempted %s (recompute): not enough free KV cache blocks for the running "
+                           "requests; %d preemptions so far. More KV cache (kv_cache_memory_bytes) or a "
+                           "smaller max_num_seqs avoids it.", ", ".join(r.request_id for r in preempted), total)
 
     def _iteration_stats(self, scheduler_output: SchedulerOutput, step_start: float) -> IterationStats:
         """What ``scheduler_output`` schedules; before the step advances ``num_computed_tokens``."""
