@@ -2,7 +2,8 @@
 // already written to the cache): tiles of 16 queries x 16 keys with an online softmax
 // (FlashAttention, Dao et al. 2022, algorithm 1, on fp32 AVX-512 FMAs), K and V read through
 // the block table (K transposed once per call into a [kv_head][head_dim][keys] fp32 scratch,
-// V rows in place).
+// V rows in place). Over an int8 cache with AVX512_VNNI the scores are VPDPBUSD integer sums
+// instead (int_scores), bitwise the same.
 //
 //   query  [q_len, num_heads, head_dim], queries at positions context_len - q_len .. context_len - 1
 //   caches [num_blocks, block_size, num_kv_heads, head_dim] (the query's dtype, or bfloat16 under
