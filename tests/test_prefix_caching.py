@@ -112,6 +112,23 @@ def test_b15_preemption_meets_prefix_cache(caplog):
     assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
+def test_preemption_warning_names_the_samples_of_an_n_request(caplog):
+    # Regression (CI, tp2 test): the samples of an n > 1 request have tuple ids, and the
+    # preemption warning joined them as strings: TypeError inside the engine step.
+    rng = random.Random(16)
+    params = SamplingParams(n=4, temperature=1.0, seed=3, ignore_eos=True, max_tokens=24)
+    # Each request alone needs 30 of the 32 blocks; the two together are preempted.
+    engine = make_tiny_engine(num_gpu_blocks_override=32, max_num_batched_tokens=32, max_model_len=48)
+    with caplog.at_level(logging.WARNING, logger="pagedllm.engine.llm_engine"):
+        finals = run(engine, {"p": tokens(rng, 9), "q": tokens(rng, 9)}, params)
+    assert engine.scheduler.num_preemptions > 0
+    warnings = [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()]
+    assert "', " in warnings[0], warnings  # e.g. "preempted ('q', 3) (recompute)"
+    for request_id in ("p", "q"):
+        assert [len(c.token_ids) for c in finals[request_id].outputs] == [24] * 4
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
 def _computed_request(manager: KVCacheManager, request_id: str, prompt: list[int],
                       salt=None) -> Request:
     """A request whose prompt K/V counts as written, with its full blocks cached."""

@@ -490,7 +490,7 @@ class LLMEngine:
         if total - len(preempted) == 0 or total // 50 > (total - len(preempted)) // 50:
             logger.warning("preempted %s (recompute): not enough free KV cache blocks for the running "
                            "requests; %d preemptions so far. More KV cache (kv_cache_memory_bytes) or a "
-                           "smaller max_num_seqs avoids it.", ", ".join(r.request_id for r in preempted), total)
+                           "smaller max_num_seqs avoids it.", ", ".join(str(r.request_id) for r in preempted), total)
 
     def _iteration_stats(self, scheduler_output: SchedulerOutput, step_start: float) -> IterationStats:
         """What ``scheduler_output`` schedules; before the step advances ``num_computed_tokens``."""
