@@ -150,6 +150,8 @@ def test_reshape_and_cache_quantizes_rows_into_an_int8_cache(native, monkeypatch
     key[2, head_dim] = float("nan")
     value[3, 2 * head_dim + 1] = float("inf")
     key[4, 5] = 1e-30  # a row whose values are all but one tiny
+    # Scale exactly 1: every code is a tie, rounded half to even (the AVX-512 path and the scalar one).
+    key[5, head_dim:2 * head_dim] = torch.tensor([127.0] + [k + 0.5 for k in range(-7, 8)])
     slots = torch.tensor([3, 0, 17, 8, 22, 11])
 
     def write():

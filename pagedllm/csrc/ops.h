@@ -13,6 +13,8 @@
 #include <optional>
 #include <type_traits>
 
+#include "cpu_vec.h"
+
 namespace pagedllm {
 
 // An int8 KV cache (kv_cache_dtype="int8") holds each token's row of one KV head as head_dim
@@ -43,6 +45,35 @@ inline float kv_row_scale(const C* row, int64_t head_dim) {
 // zeros or NaN. The attention kernels round their queries so too (paged_attention.cpp).
 template <typename T>
 inline void quantize_kv_row(int8_t* dst, const T* x, int64_t head_dim) {
+#if defined(__AVX512F__)
+  // The same operations 16 lanes at a time (max is exact in any order, the division, rounding
+  // to nearest even and clamping are per element), so the codes and scale are bitwise the
+  // scalar loop's below; the scalar loop was ~15 % of the prefill attention kernel.
+  if (head_dim % 16 == 0) {
+    using pagedllm_vec::load16;
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    __m512 amax16 = _mm512_setzero_ps();
+    __mmask16 nan16 = 0;
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      const __m512 v = load16(x + d);
+      nan16 |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      amax16 = _mm512_max_ps(amax16, _mm512_andnot_ps(sign, v));
+    }
+    const float scale = nan16 ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(amax16) / 127.f;
+    const bool finite = scale > 0.f && std::isfinite(scale);
+    const __m512 s = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      __m512 code = _mm512_setzero_ps();
+      if (finite) {
+        code = _mm512_roundscale_ps(_mm512_div_ps(load16(x + d), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        code = _mm512_min_ps(hi, _mm512_max_ps(lo, code));
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(code)));
+    }
+    std::memcpy(dst + head_dim, &scale, sizeof(scale));
+    return;
+  }
+#endif
   float amax = 0.f;
   bool nan = false;
   for (int64_t d = 0; d < head_dim; ++d) {
