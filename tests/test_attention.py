@@ -337,7 +337,7 @@ def test_prefill_bf16_close_to_fp32(q_len):
 @pytest.mark.parametrize("num_cached,q_len", [(0, 1), (0, 37), (23, 40), (150, 7), (5, 130)])
 def test_prefill_kernel_matches_reference_and_sdpa(kernel, num_heads, num_kv_heads, head_dim, dtypes,
                                                    num_cached, q_len):
-    """The C++ prefill kernel (16 x 16 tiles, online softmax, K/V through the block table)
+    """The C++ prefill kernel (16 x 16 tiles, K/V through the block table)
     against fp64 math on the cached values and against the SDPA path, for every dtype pair
     (an int8 cache under either query dtype) and the head shapes of SmolLM2, Qwen2.5-0.5B and
     Gemma 3; chunks with and without a cached prefix, partial tiles, a single token."""
@@ -365,6 +365,38 @@ def test_prefill_kernel_matches_reference_and_sdpa(kernel, num_heads, num_kv_hea
     sdpa = prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale)
     torch.testing.assert_close(out.float(), sdpa.float(), **(dict(rtol=1e-5, atol=1e-5) if query_dtype == torch.float32
                                                              else dict(rtol=2 ** -6, atol=2e-2)))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (4, 1, 256)])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float32, torch.bfloat16), (torch.float32, torch.int8),
+                                    (torch.bfloat16, torch.int8)])
+@pytest.mark.parametrize("num_cached,q_len", [(0, 37), (23, 40), (5, 130)])
+def test_prefill_kernel_rows_equal_decode(kernel, num_heads, num_kv_heads, head_dim, dtypes, num_cached, q_len):
+    """Each row of a prefill chunk is bitwise what the decode kernel gives that token as the last
+    of its sequence: the same score order, softmax and weighted-sum order. This is what keeps
+    recompute after preemption (prefill) equal to the decode steps it replays (case B18)."""
+    if not kernel.prefill_attention_supported(head_dim):
+        pytest.skip("this build has no AVX-512 prefill kernel (prefill_attention uses SDPA)")
+    query_dtype, cache_dtype = dtypes
+    key_cache, value_cache, g = random_caches(num_kv_heads, cache_dtype, seed=7 + q_len, head_dim=head_dim)
+    context_len = num_cached + q_len
+    table = torch.randperm(NUM_BLOCKS, generator=g)[:-(-context_len // BLOCK_SIZE)]
+    query = torch.randn(q_len, num_heads, head_dim, generator=g).to(query_dtype)
+    key = torch.randn(q_len, num_kv_heads, head_dim, generator=g).to(query_dtype)
+    value = torch.randn(q_len, num_kv_heads, head_dim, generator=g).to(query_dtype)
+    slots = torch.tensor([int(table[p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+                          for p in range(num_cached, context_len)])
+    write_kv_cache(key, value, key_cache, value_cache, slots)
+    scale = head_dim ** -0.5
+    out = kernel.paged_prefill_attention(query, key_cache, value_cache, table, context_len, scale)
+    # Every row as its own decode sequence; both work splits of the decode kernel (by KV head
+    # for a few sequences, by sequence for many) are bitwise the same.
+    lens = torch.arange(num_cached + 1, context_len + 1)
+    for rows in (slice(0, 3), slice(0, q_len)):
+        decoded = kernel.paged_decode_attention(query[rows], key_cache, value_cache,
+                                                table.repeat(q_len, 1)[rows], lens[rows], scale, 0)
+        assert torch.equal(out[rows], decoded)
 
 
 def test_prefill_kernel_rejects_bad_tables_and_lengths(kernel):

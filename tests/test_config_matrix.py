@@ -49,7 +49,7 @@ EXACT_TOL, ROUNDED_TOL = (2e-3, 5e-4), (0.5, 0.15)
 # W8A8 rounds every activation to int8 per token (steps of absmax / 127, ~0.8 %): a last-bit
 # difference upstream moves a value across a rounding boundary now and then, and the tiny
 # model's logprobs reach -23 (measured on it, bf16: largest 0.27, mean <= 0.15). Native prefill
-# attention (fp32 tiles, online softmax) and the torch path's bf16 SDPA differ in the last bits
+# attention (fp32 tiles) and the torch path's bf16 SDPA differ in the last bits
 # of every bf16 attention output: SmolLM2 bf16 w8a8, largest 0.67 at one of five positions,
 # mean 0.19. W4A8 rounds activations per 32-input group, the same way.
 W8A8_TOL = (1.0, 0.25)

@@ -3,7 +3,9 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -69,6 +71,35 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
+}
+
+// In place: each of `rows` rows of n scores (n apart) becomes exp(score - max), and 1 / the
+// row's sum goes to inv_sum. Shared by the decode and prefill kernels: one definition, so a
+// prefill row's softmax is bitwise the decode kernel's for the same scores.
+inline void softmax_rows(float* scores, int64_t n, int64_t rows, float* inv_sum) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* s = scores + g * n;
+    __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) maxv = _mm512_max_ps(maxv, _mm512_loadu_ps(s + t));
+    float max_score = _mm512_reduce_max_ps(maxv);
+    for (; t < n; ++t) max_score = std::max(max_score, s[t]);
+    const __m512 m = _mm512_set1_ps(max_score);
+    __m512 sum = _mm512_setzero_ps();
+    t = 0;
+    for (; t + 16 <= n; t += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+      _mm512_storeu_ps(s + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (t < n) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m));
+      _mm512_mask_storeu_ps(s + t, tail, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
 }
 
 }  // namespace pagedllm_vec

@@ -82,6 +82,7 @@ constexpr int64_t kSeqsPerThread = 4;
 #if defined(__AVX512F__)
 using pagedllm_vec::exp512;
 using pagedllm_vec::load16;
+using pagedllm_vec::softmax_rows;
 
 // AVX-512 path (used when the build machine has AVX-512F and head_dim is a multiple of 16).
 // Per group of up to kMaxGroup query heads sharing a KV head: every K row is loaded once and
@@ -280,34 +281,6 @@ inline void group_accumulate(const float* p, int64_t n, const C* rows, const C* 
     }
   }
   for (int i = 0; i < kGroup * kChunks; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
-}
-
-// In place: each of `rows` rows of n scores (n apart) becomes exp(score - max); returns nothing,
-// writes 1 / sum of each row into inv_sum.
-inline void softmax_rows(float* scores, int64_t n, int64_t rows, float* inv_sum) {
-  for (int64_t g = 0; g < rows; ++g) {
-    float* s = scores + g * n;
-    __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    int64_t t = 0;
-    for (; t + 16 <= n; t += 16) maxv = _mm512_max_ps(maxv, _mm512_loadu_ps(s + t));
-    float max_score = _mm512_reduce_max_ps(maxv);
-    for (; t < n; ++t) max_score = std::max(max_score, s[t]);
-    const __m512 m = _mm512_set1_ps(max_score);
-    __m512 sum = _mm512_setzero_ps();
-    t = 0;
-    for (; t + 16 <= n; t += 16) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
-      _mm512_storeu_ps(s + t, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    if (t < n) {
-      const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m));
-      _mm512_mask_storeu_ps(s + t, tail, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
-    }
-    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
-  }
 }
 
 // Calls f(std::integral_constant<int, G>) for the group chunk size G = min(kMaxGroup, left).

@@ -1,9 +1,17 @@
 // Causal attention of one prefill chunk over its sequence's paged K/V (the chunk's own K/V
-// already written to the cache): tiles of 16 queries x 16 keys with an online softmax
-// (FlashAttention, Dao et al. 2022, algorithm 1, on fp32 AVX-512 FMAs), K and V read through
-// the block table (K transposed once per call into a [kv_head][head_dim][keys] fp32 scratch,
-// V rows in place). Over an int8 cache with AVX512_VNNI the scores are VPDPBUSD integer sums
-// instead (int_scores), bitwise the same.
+// already written to the cache), per (head, tile of 16 queries) on fp32 AVX-512 FMAs, K and V
+// read through the block table (K transposed once per call into a [kv_head][head_dim][keys] fp32
+// scratch, V rows in place). Over an int8 cache with AVX512_VNNI the scores are VPDPBUSD integer
+// sums instead (int_scores).
+//
+// Each query row's output is bitwise what the decode kernel (paged_attention.cpp) gives that
+// token as the last of a context_len = its position + 1 sequence: the same scores (summed in
+// its order), its softmax_rows over the row's whole score row (two passes, not an online
+// softmax, whose rescaling rounds differently), and the weighted sum of V in position order. So
+// a token's KV and logits do not depend on whether it was computed in a prefill or a decode
+// step: recompute after preemption, a chunk boundary, or a prefix-cache hit change nothing
+// where the rest of the model is also row-wise exact (test_prefill_kernel_rows_equal_decode,
+// tests/test_preemption_invariance.py).
 //
 //   query  [q_len, num_heads, head_dim], queries at positions context_len - q_len .. context_len - 1
 //   caches [num_blocks, block_size, num_kv_heads, head_dim] (the query's dtype, or bfloat16 under
@@ -44,8 +52,8 @@ namespace {
 constexpr int64_t kTile = 16;  // queries per tile and keys per tile (one zmm of fp32 scores)
 
 #if defined(__AVX512F__)
-using pagedllm_vec::exp512;
 using pagedllm_vec::load16;
+using pagedllm_vec::softmax_rows;
 using pagedllm_vec::store16;
 
 inline float to_float(float x) { return x; }
@@ -83,6 +91,37 @@ constexpr bool kVnni = false;
 template <int kHeadDim>
 inline void int_scores(const int8_t*, const int32_t*, const uint8_t*, int64_t, __m512 (&)[kTile]) {}
 #endif
+
+// s[i] lane j = q_i . k_j for 16 query rows (q: [16][kHeadDim] fp32) and 16 keys of K
+// transposed (dimension d of key j at k[d * padded + j]), each sum taken in the decode kernel's
+// order (paged_attention.cpp group_scores): lane l of a 16-lane partial sum adds dimensions
+// l, l + 16, l + 32, ... (a multiply, then FMAs), and the 16 lanes are added as
+// _mm512_reduce_add_ps and sum4 add them: (l, l + 8), then (l, l + 4), then (0, 2) and (1, 3),
+// then the two. Here each lane's partial sums are a vector over the 16 keys, so that tree is
+// vertical adds, with no shuffles.
+template <int kHeadDim>
+inline void float_scores(const float* q, const float* k, int64_t padded, __m512 (&s)[kTile]) {
+  constexpr int kChunks = kHeadDim / 16;
+  alignas(64) float pairs[8 * kTile * 16];  // [l][i]: lane l's partial sums of row i plus lane l + 8's
+  for (int lane = 0; lane < 16; ++lane) {
+    __m512 kv[kChunks];
+    for (int c = 0; c < kChunks; ++c) kv[c] = _mm512_loadu_ps(k + (16 * c + lane) * padded);
+    for (int i = 0; i < kTile; ++i) {
+      const float* qi = q + i * kHeadDim + lane;
+      __m512 part = _mm512_mul_ps(_mm512_set1_ps(qi[0]), kv[0]);
+      for (int c = 1; c < kChunks; ++c) part = _mm512_fmadd_ps(_mm512_set1_ps(qi[16 * c]), kv[c], part);
+      float* pair = pairs + ((lane % 8) * kTile + i) * 16;
+      _mm512_store_ps(pair, lane < 8 ? part : _mm512_add_ps(_mm512_load_ps(pair), part));
+    }
+  }
+  for (int i = 0; i < kTile; ++i) {
+    __m512 quad[4];
+    for (int l = 0; l < 4; ++l) {
+      quad[l] = _mm512_add_ps(_mm512_load_ps(pairs + (l * kTile + i) * 16), _mm512_load_ps(pairs + ((l + 4) * kTile + i) * 16));
+    }
+    s[i] = _mm512_add_ps(_mm512_add_ps(quad[0], quad[2]), _mm512_add_ps(quad[1], quad[3]));
+  }
+}
 
 // Rows of the output accumulator kept in registers while a key tile is added: 16 zmm.
 template <int kHeadDim>
@@ -148,17 +187,20 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     alignas(64) float q[kTile * kHeadDim];
     alignas(64) float o[kTile * kHeadDim];
-    alignas(64) float p[kTile * kTile];
+    alignas(64) float p[kTile * kTile];            // an int8 cache: a tile's weights times V scales
     alignas(64) float v_wide[kTile * kHeadDim];  // an int8 cache: a tile's V codes as fp32
-    float m[kTile], l[kTile], alpha[kTile], q_scales[kTile];
+    float inv_sum[kTile], q_scales[kTile];
     int8_t q8[kHeadDim + kKvScaleBytes];
     alignas(64) int8_t q_codes[kTile * kHeadDim];  // kIntScores: the rows' codes
     int32_t q_offsets[kTile];                      // kIntScores: 128 * sum of a row's codes
+    // The tile's scores, then softmax weights: row i's key j at scores[i * padded + j].
+    std::vector<float> scores(static_cast<size_t>(kTile * padded));
     for (int64_t item = next_item++; item < num_items; item = next_item++) {
       const int64_t head = item % num_heads, tile = tiles - 1 - item / num_heads;
       const int64_t kv_head = head / group;
       const int64_t row0 = tile * kTile, rows = std::min(kTile, q_len - row0);
       const int64_t pos0 = first_pos + row0, last_pos = pos0 + rows - 1;
+      const int64_t keys_end = (last_pos + kTile) / kTile * kTile;  // the key tiles' end
       for (int64_t i = 0; i < kTile; ++i) {
         float* qi = q + i * kHeadDim;
         const T* src = q_base + (row0 + i) * q_token_stride + head * q_head_stride;
@@ -178,46 +220,34 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
           q_offsets[i] = 128 * _mm512_reduce_add_epi32(sum);
           q_scales[i] = kv_row_scale(q8, kHeadDim);
         }
-        m[i] = -std::numeric_limits<float>::infinity();
-        l[i] = 0.f;
       }
-      std::fill(o, o + kTile * kHeadDim, 0.f);
+      // Scores of every key tile up to the last row's position: s[i] lane j = q_i . k_(key0 + j).
       const float* k_head = kIntScores ? nullptr : kt.data() + kv_head * kHeadDim * padded;
-      for (int64_t key0 = 0; key0 <= last_pos; key0 += kTile) {
-        // Scores of the tile: s[i] lane j = q_i . k_(key0 + j).
+      for (int64_t key0 = 0; key0 < keys_end; key0 += kTile) {
         __m512 s[kTile];
         if constexpr (kIntScores) {
           int_scores<kHeadDim>(q_codes, q_offsets, kt8.data() + (kv_head * kHeadDim / 4 * padded + key0) * 4,
                                padded, s);
         } else {
-          for (int i = 0; i < kTile; ++i) s[i] = _mm512_setzero_ps();
-          for (int d = 0; d < kHeadDim; ++d) {
-            const __m512 k = _mm512_loadu_ps(k_head + d * padded + key0);
-            for (int i = 0; i < kTile; ++i) s[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * kHeadDim + d]), k, s[i]);
-          }
+          float_scores<kHeadDim>(q, k_head + key0, padded, s);
         }
         if constexpr (kInt8Cache) {
           const __m512 ks = _mm512_loadu_ps(k_scales.data() + kv_head * padded + key0);
           for (int i = 0; i < kTile; ++i) s[i] = _mm512_mul_ps(s[i], _mm512_mul_ps(_mm512_set1_ps(q_scales[i]), ks));
         }
-        // Online softmax per query row; key key0 + j is visible to row i when key0 + j <= pos0 + i.
-        for (int i = 0; i < kTile; ++i) {
-          const int64_t visible = std::min<int64_t>(kTile, pos0 + i - key0 + 1);
-          if (i >= rows || visible <= 0) {
-            std::fill(p + i * kTile, p + (i + 1) * kTile, 0.f);
-            alpha[i] = 1.f;
-            continue;
-          }
-          const __mmask16 mask = static_cast<__mmask16>(visible >= 16 ? 0xFFFF : (1u << visible) - 1);
-          const float tile_max = _mm512_mask_reduce_max_ps(mask, s[i]);
-          const float m_new = std::max(m[i], tile_max);
-          alpha[i] = std::exp(m[i] - m_new);  // 0 for the first visible tile (m = -inf)
-          const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(s[i], _mm512_set1_ps(m_new))));
-          l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(e);
-          m[i] = m_new;
-          _mm512_storeu_ps(p + i * kTile, e);
-        }
-        // o = alpha * o + p @ v over the tile's keys, kRows query rows at a time in registers.
+        for (int i = 0; i < kTile; ++i) _mm512_storeu_ps(scores.data() + i * padded + key0, s[i]);
+      }
+      // Each row's softmax over the keys it sees (0 .. its position): the decode kernel's
+      // softmax_rows over the same n scores; the weights of the keys it does not see are 0.
+      for (int64_t i = 0; i < kTile; ++i) {
+        float* row = scores.data() + i * padded;
+        const int64_t n = i < rows ? pos0 + i + 1 : 0;
+        if (n > 0) softmax_rows(row, n, 1, inv_sum + i);
+        std::fill(row + n, row + keys_end, 0.f);
+      }
+      // o = sum over keys in position order of weight * v, kRows query rows at a time in registers.
+      std::fill(o, o + kTile * kHeadDim, 0.f);
+      for (int64_t key0 = 0; key0 <= last_pos; key0 += kTile) {
         const int64_t keys = std::min(kTile, last_pos + 1 - key0);
         const C* v_rows[kTile];
         alignas(64) float v_scales[kTile] = {};
@@ -225,22 +255,23 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
           v_rows[j] = row_of(v_base, key0 + j) + kv_head * kRow;
           v_scales[j] = kv_row_scale(v_rows[j], kHeadDim);
         }
-        // An int8 cache: each weight times its key's V scale once (the same fp32 product as one
-        // per row group), and the tile's V codes widened to fp32 once (exact) for all groups.
+        // An int8 cache: each weight times its key's V scale once (the decode kernel's fp32
+        // product), and the tile's V codes widened to fp32 once (exact) for all row groups.
+        const float* w = scores.data() + key0;
+        int64_t w_stride = padded;
         if constexpr (kInt8Cache) {
           const __m512 vs = _mm512_load_ps(v_scales);
-          for (int i = 0; i < kTile; ++i) _mm512_storeu_ps(p + i * kTile, _mm512_mul_ps(_mm512_loadu_ps(p + i * kTile), vs));
+          for (int i = 0; i < kTile; ++i) _mm512_store_ps(p + i * kTile, _mm512_mul_ps(_mm512_loadu_ps(w + i * padded), vs));
           for (int64_t j = 0; j < keys; ++j) {
             for (int c = 0; c < kChunks; ++c) _mm512_store_ps(v_wide + j * kHeadDim + 16 * c, load16(v_rows[j] + 16 * c));
           }
+          w = p;
+          w_stride = kTile;
         }
         for (int r0 = 0; r0 < kTile; r0 += kRows) {
           __m512 acc[kRows * kChunks];
           for (int r = 0; r < kRows; ++r) {
-            const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
-            for (int c = 0; c < kChunks; ++c) {
-              acc[r * kChunks + c] = _mm512_mul_ps(a, _mm512_load_ps(o + (r0 + r) * kHeadDim + 16 * c));
-            }
+            for (int c = 0; c < kChunks; ++c) acc[r * kChunks + c] = _mm512_load_ps(o + (r0 + r) * kHeadDim + 16 * c);
           }
           for (int64_t j = 0; j < keys; ++j) {
             __m512 v[kChunks];
@@ -249,8 +280,8 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
               else v[c] = load16(v_rows[j] + 16 * c);
             }
             for (int r = 0; r < kRows; ++r) {
-              const __m512 w = _mm512_set1_ps(p[(r0 + r) * kTile + j]);
-              for (int c = 0; c < kChunks; ++c) acc[r * kChunks + c] = _mm512_fmadd_ps(w, v[c], acc[r * kChunks + c]);
+              const __m512 wv = _mm512_set1_ps(w[(r0 + r) * w_stride + j]);
+              for (int c = 0; c < kChunks; ++c) acc[r * kChunks + c] = _mm512_fmadd_ps(wv, v[c], acc[r * kChunks + c]);
             }
           }
           for (int r = 0; r < kRows; ++r) {
@@ -259,7 +290,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
         }
       }
       for (int64_t i = 0; i < rows; ++i) {
-        const __m512 inv = _mm512_set1_ps(1.f / l[i]);
+        const __m512 inv = _mm512_set1_ps(inv_sum[i]);
         T* dst = out_base + ((row0 + i) * num_heads + head) * kHeadDim;
         for (int c = 0; c < kChunks; ++c) store16(dst + 16 * c, _mm512_mul_ps(_mm512_load_ps(o + i * kHeadDim + 16 * c), inv));
       }
