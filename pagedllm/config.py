@@ -37,6 +37,10 @@ _QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8", "awq", "gptq", "compressed-ten
 # vLLM options that pagedllm accepts because they change nothing here.
 _NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "tokenizer_mode"}
 
+# The HTTP server's limit on a request body, bytes (--max-request-body-bytes): a 32k-token
+# prompt is ~0.3 MB as token ids, a batch of 256 such prompts as text ~30 MB.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 64 * 2**20
+
 
 def _option(default: Any, help: str, **cli: Any) -> Any:
     """A field of ``EngineArgs``: its default, its meaning (also its ``--help`` text) and what

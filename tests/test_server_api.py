@@ -10,6 +10,7 @@ scheduler preempted. Clients are the official ``openai`` client and ``httpx``.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import threading
@@ -20,6 +21,7 @@ import openai
 import pytest
 
 from pagedllm.entrypoints.openai.api_keys import APIKey, format_reset, parse_api_keys
+from pagedllm.entrypoints.openai.api_server import build_app
 from tests.conftest import make_tiny_engine
 from tests.test_server import InThreadServer, MODEL, scrape, slowed, sse_events, wait_for_metrics
 
@@ -485,3 +487,29 @@ def test_malformed_request_ids_are_400s_that_quote_them_readably():
             assert "\u00c3" not in response.text and "Ã" not in message  # é decoded as UTF-8, not Latin-1
         ok = httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": "a.b-c_d"}, json=body, timeout=30)
         assert ok.status_code == 200 and ok.headers["x-request-id"] == "a.b-c_d"
+
+
+def test_a_body_over_the_limit_is_a_413_and_the_server_serves_on():
+    """Nothing bounded a request body: one huge POST was read whole into the server's memory.
+    Over ``max_request_body_bytes`` it is refused by its Content-Length before reading, and a
+    chunked one (no Content-Length) as soon as what was read passes the limit."""
+    with InThreadServer(make_tiny_engine(), app_kwargs={"max_request_body_bytes": 1000}) as server:
+        url = server.url + "/v1/completions"
+        big = json.dumps({"model": MODEL, "prompt": [1] * 400, "max_tokens": 1}).encode()
+        response = httpx.post(url, content=big, headers={"Content-Type": "application/json"}, timeout=30)
+        assert response.status_code == 413
+        assert response.json()["error"]["message"] == (
+            f"the request body is {len(big)} bytes, over the server's limit of 1000 bytes (--max-request-body-bytes)")
+
+        def chunked():
+            for start in range(0, len(big), 100):
+                yield big[start:start + 100]
+        response = httpx.post(url, content=chunked(), headers={"Content-Type": "application/json"}, timeout=30)
+        assert "content-length" not in response.request.headers
+        assert response.status_code == 413
+        assert response.json()["error"]["message"].startswith("the request body is more than 1000 bytes")
+        small = completion(server.url, "", prompt=[1] * 100, max_tokens=2)
+        assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 2
+        assert len(small.request.content) <= 1000
+    with pytest.raises(ValueError, match="max_request_body_bytes must be >= 1, got 0"):
+        build_app(None, [MODEL], max_request_body_bytes=0)

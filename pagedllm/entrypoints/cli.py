@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from pagedllm.config import EngineArgs
+from pagedllm.config import DEFAULT_MAX_REQUEST_BODY_BYTES, EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -119,6 +119,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-queue-wait", type=float, default=None, metavar="SECONDS",
                        help="answer 503 at once when a new request's estimated wait to start exceeds this "
                             "(or --request-timeout) (default: only --request-timeout)")
+    group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
+                       help="refuse a larger request body with 413 before reading the rest "
+                            f"(default {DEFAULT_MAX_REQUEST_BODY_BYTES})")
     group.add_argument("--drain-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds open requests may still run (default 30)")
     group.add_argument("--disable-dashboard", action="store_true",

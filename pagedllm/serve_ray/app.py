@@ -62,6 +62,8 @@ def build_application(args: argparse.Namespace, cores: Optional[int] = None) -> 
     api_key, api_keys = server_api_keys(args)
     if args.max_queue_wait is not None and not args.max_queue_wait > 0:
         raise ValueError(f"--max-queue-wait must be > 0 seconds, got {args.max_queue_wait}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
     names = args.served_model_name or [args.model or Path(DEFAULT_MODEL_FILE).stem]
     router_config = RequestRouterConfig(request_routing_stats_period_s=args.routing_stats_period)
     if args.router == "prefix":
@@ -90,7 +92,7 @@ def build_application(args: argparse.Namespace, cores: Optional[int] = None) -> 
         name="OpenAIIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=10_000)
     return ingress.bind(engine, names, APP_NAME, ENGINE_DEPLOYMENT, api_key, api_keys, args.max_queue_wait,
-                        args.request_timeout, str(args.model or DEFAULT_MODEL_FILE))
+                        args.request_timeout, str(args.model or DEFAULT_MODEL_FILE), args.max_request_body_bytes)
 
 
 def app_builder(args: dict[str, str]) -> Any:

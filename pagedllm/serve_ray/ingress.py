@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 
 from ray import serve
 
+from pagedllm.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedllm.entrypoints.openai.api_keys import APIKey
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.serve_ray.engine_client import RayEngineClient
@@ -30,21 +31,23 @@ class OpenAIIngress:
         engine: handle of the ``EngineReplica`` deployment.
         served_model_names: names clients may put in ``model``.
         app_name, engine_deployment: where the replicas are (their reports).
-        api_key, api_keys, max_queue_wait, model_root: as ``build_app``.
+        api_key, api_keys, max_queue_wait, model_root, max_request_body_bytes: as ``build_app``.
         request_timeout: the replicas' request timeout (overload protection reads it).
     """
 
     async def __init__(self, engine: Any, served_model_names: Sequence[str], app_name: str,
                        engine_deployment: str, api_key: Optional[str] = None,
                        api_keys: Sequence[APIKey] = (), max_queue_wait: Optional[float] = None,
-                       request_timeout: Optional[float] = None, model_root: Optional[str] = None) -> None:
+                       request_timeout: Optional[float] = None, model_root: Optional[str] = None,
+                       max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> None:
         model_info = await engine.model_info.remote()
         self.client = RayEngineClient(engine, model_info, served_model_names[0], app_name, engine_deployment,
                                       request_timeout=request_timeout)
         self.client.start()
         self._app_kwargs = dict(served_model_names=list(served_model_names), api_key=api_key,
                                 api_keys=list(api_keys), max_queue_wait=max_queue_wait,
-                                model_root=model_root, enable_dashboard=False)
+                                model_root=model_root, enable_dashboard=False,
+                                max_request_body_bytes=max_request_body_bytes)
 
     async def drain(self, timeout: float) -> int:
         """``RayEngineClient.drain``: called by ``pagedllm serve --replicas`` on SIGTERM/SIGINT

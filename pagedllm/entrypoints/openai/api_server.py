@@ -59,7 +59,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
-from pagedllm.config import EngineArgs
+from pagedllm.config import DEFAULT_MAX_REQUEST_BODY_BYTES, EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.protocol import EngineClient
@@ -161,15 +161,53 @@ class _ClientMiddleware:
 
     Puts ``client_request_id`` (``X-Request-Id``, checked, or a new one) and ``api_key`` (the
     caller's ``APIKey``; None when the server has no keys or the path is open) into
-    ``scope["state"]``; answers 401 for a protected path without a known key and 400 for a
-    malformed ``X-Request-Id``; adds ``X-Request-Id`` and the key's ``x-ratelimit-*`` headers
-    to every response, errors included.
+    ``scope["state"]``; answers 401 for a protected path without a known key, 400 for a
+    malformed ``X-Request-Id`` and 413 for a body over ``max_body_bytes`` (read before the app
+    sees it, so a huge body is refused at that size instead of filling the server's memory);
+    adds ``X-Request-Id`` and the key's ``x-ratelimit-*`` headers to every response, errors
+    included.
     """
 
-    def __init__(self, app, keyring: KeyRing, limiter: RateLimiter) -> None:
+    def __init__(self, app, keyring: KeyRing, limiter: RateLimiter, max_body_bytes: int) -> None:
         self.app = app
         self.keyring = keyring
         self.limiter = limiter
+        self.max_body_bytes = max_body_bytes
+
+    async def read_body(self, headers: dict, receive):
+        """The whole request body, read here, and a ``receive`` that hands it to the app as one
+        message and then passes on what the client sends (a disconnect still reaches a stream).
+
+        Returns ``(None, receive)`` when the client left while sending. Raises ``OpenAIError``
+        413 past ``max_body_bytes``, by ``Content-Length`` before reading or while reading.
+        """
+        def too_large(size: str) -> OpenAIError:
+            return OpenAIError(413, f"the request body is {size} bytes, over the server's limit of "
+                                    f"{self.max_body_bytes} bytes (--max-request-body-bytes)", _error_type(413))
+
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            raise too_large(length.decode())
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None, receive
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                raise too_large(f"more than {self.max_body_bytes}")
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return body, replay
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -201,6 +239,14 @@ class _ClientMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
+        if error is None and scope["method"] not in ("GET", "HEAD"):
+            try:
+                body, receive = await self.read_body(headers, receive)
+            except OpenAIError as exc:
+                error = exc
+            else:
+                if body is None:
+                    return
         if error is not None:
             await error.response()(scope, receive, send_with_headers)
             return
@@ -210,7 +256,7 @@ class _ClientMiddleware:
 def build_app(engine: EngineClient, served_model_names: Sequence[str], api_key: Optional[str] = None,
               model_root: Optional[str] = None, api_keys: Sequence[APIKey] = (),
               max_queue_wait: Optional[float] = None, clock=time.monotonic,
-              enable_dashboard: bool = True) -> FastAPI:
+              enable_dashboard: bool = True, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """The FastAPI application over a started engine: an ``AsyncLLMEngine`` (``pagedllm
     serve``), or Ray Serve replicas through a ``RayEngineClient`` (``pagedllm serve --replicas``).
 
@@ -228,12 +274,15 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str], api_key: 
         enable_dashboard: serve ``/debug/kv``, ``/debug/kv/stream`` and ``/dashboard``
             (False: those paths are 404 and the engine never takes a block-pool snapshot).
             Only an ``AsyncLLMEngine`` has a block pool at hand.
+        max_request_body_bytes: a larger request body is refused with 413 (bytes).
 
     Raises:
         ValueError: no served model name, a dashboard asked of another engine client, a key
             name used twice, a key with a priority under the ``fcfs`` scheduling policy,
-            ``max_queue_wait`` <= 0.
+            ``max_queue_wait`` <= 0, ``max_request_body_bytes`` < 1.
     """
+    if not max_request_body_bytes >= 1:
+        raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes!r}")
     if not served_model_names:
         raise ValueError("served_model_names must hold at least one name")
     if max_queue_wait is not None and not max_queue_wait > 0:
@@ -263,7 +312,8 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str], api_key: 
     completions = OpenAIServingCompletion(engine, served_model_names, policy)
     chat = OpenAIServingChat(engine, served_model_names, policy)
     created = int(time.time())
-    app.add_middleware(_ClientMiddleware, keyring=KeyRing(keys), limiter=limiter)
+    app.add_middleware(_ClientMiddleware, keyring=KeyRing(keys), limiter=limiter,
+                       max_body_bytes=max_request_body_bytes)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -524,12 +574,14 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
 
     Raises:
         ValueError: a bad option (engine options, --max-waiting-requests, --request-timeout,
-            --drain-timeout, --max-queue-wait, the keys file) or a configuration that cannot run.
+            --drain-timeout, --max-queue-wait, --max-request-body-bytes, the keys file) or a configuration that cannot run.
     """
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     if args.max_queue_wait is not None and not args.max_queue_wait > 0:
         raise ValueError(f"--max-queue-wait must be > 0 seconds, got {args.max_queue_wait}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
     api_key, api_keys = server_api_keys(args)
     check_port_free(args.host, args.port)  # before seconds of model loading, not after
     engine_args = EngineArgs.from_kwargs(**engine_kwargs)
@@ -543,7 +595,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
                                          model_info=async_engine.model_info)
     app = build_app(async_engine, names, api_key, model_root=str(args.model or DEFAULT_MODEL_FILE),
                     api_keys=api_keys, max_queue_wait=args.max_queue_wait,
-                    enable_dashboard=not args.disable_dashboard)
+                    enable_dashboard=not args.disable_dashboard,
+                    max_request_body_bytes=args.max_request_body_bytes)
     # asyncio and h11, never uvloop and httptools: uvicorn's "auto" takes those when installed
     # (ray[serve] brings both), and the server's behaviour must not depend on what else is installed.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
