@@ -55,15 +55,19 @@ def _run(model, dtype: str, kv_cache_dtype: str, prompts, params, num_blocks: in
     return [finals[str(i)].outputs[0] for i in range(len(prompts))], engine.scheduler.num_preemptions
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", EXACT_CONFIGS)
-def test_seeded_samples_and_their_logprobs_survive_preemption_bitwise(kernel, dtype, quantization, kv_cache_dtype):
+def test_seeded_samples_and_their_logprobs_survive_preemption_bitwise(kernel, dtype, quantization, kv_cache_dtype,
+                                                                      architecture):
     """8 seeded requests (temperature 1) each run alone, then together in a pool that holds
     them all, then together in a pool too small for them: the same tokens and bitwise the same
     logprobs all three ways. A tiny llama with SmolLM2's head_dim of 64, so that the native
     prefill kernel runs, and prompts that span key tiles and blocks (the kernel's order must
-    hold across both); 96-token steps mix decode rows with prefill chunks."""
+    hold across both); 96-token steps mix decode rows with prefill chunks. Qwen2 adds biases to
+    the Q/K/V projections."""
     config = tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=64)
+                         num_key_value_heads=1, head_dim=64, architecture=architecture,
+                         attention_bias=architecture == "qwen2")
     model = build_model(config, tiny_state_dict(config, seed=4), getattr(torch, dtype), quantization,
                         calibration_token_ids=list(range(64)) if quantization == "w8a8" else None)
     rng = random.Random(18)
