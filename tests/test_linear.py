@@ -95,6 +95,33 @@ def test_bf16_layers_the_tiles_cannot_take_stay_plain_or_onednn(shape):
 
 
 @needs_native
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 13, 121])
+def test_bf16_linear_fp32_out_is_the_unrounded_sum(bias, rows, monkeypatch):
+    """``fp32_out`` (what the LM head asks for: ``Linear(x, out_dtype=torch.float32)``) hands
+    over the fp32 sums that the bf16 output rounds: the same sums, within fp32 summation error
+    of the fp64 product, and not on bf16's grid (a bf16 head's logits became exact ties). The
+    torch path (native ops off) gives the fp32 product of the same bf16 values."""
+    linear = make_linear(torch.bfloat16, bias, in_features=160, out_features=96)
+    assert linear.pack() and linear.blocked is not None
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    expected = reference(x, linear)
+    bound = 1e-5 * (x.double().abs() @ linear.weight.double().abs().t()) + 1e-6
+    for portable in (False, True):
+        rounded = native_ops().bf16_linear(x, linear.blocked, linear.bias, portable)
+        full = native_ops().bf16_linear(x, linear.blocked, linear.bias, portable, True)
+        assert full.dtype == torch.float32 and full.shape == rounded.shape
+        assert torch.equal(full.bfloat16(), rounded)
+        assert ((full.double() - expected).abs() <= bound).all()
+        assert (full.bfloat16().float() != full).float().mean() > 0.9
+    assert torch.equal(linear(x, out_dtype=torch.float32), native_ops().bf16_linear(x, linear.blocked, linear.bias,
+                                                                                     False, True))
+    monkeypatch.setattr("pagedllm.layers.linear.native_ops", lambda: None)
+    torch_path = linear(x, out_dtype=torch.float32)
+    assert torch_path.dtype == torch.float32 and ((torch_path.double() - expected).abs() <= bound).all()
+
+
+@needs_native
 def test_bf16_linear_rejects_bad_shapes():
     blocked = block_bf16(torch.zeros(32, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"x must be bfloat16 \[rows, 8\]"):

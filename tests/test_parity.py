@@ -112,3 +112,21 @@ def test_llm_generate_text_api(smollm2_llm_fp32, setup):
     assert outputs[0].outputs[0].text == tokenizer.decode(expected[1], skip_special_tokens=True)
     assert outputs[1].prompt is None and outputs[1].outputs[0].token_ids == expected[2]
     assert all(o.finished for o in outputs)
+
+
+def test_bf16_answers_the_capital_question_as_fp32_does(smollm2_llm_fp32):
+    """Found by a fresh-user check: the README's first command, in bf16 (what ``dtype="auto"``
+    picks on CPUs with bf16 units), answered "L'Étoile, la Marseillaise, la femme..." to "What is
+    the capital of France?". The bf16 LM head rounded the logits of "The" (-1.93) and "L"
+    (-1.97) to one bf16 value, and greedy broke the tie by token id. With the head's fp32 sums
+    the bf16 model answers as the fp32 one (which equals transformers, above)."""
+    from pagedllm import LLM
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
+    want = smollm2_llm_fp32.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=64 * 2**20)
+    got = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    top = sorted((lp.logprob for lp in got.logprobs[0].values()), reverse=True)
+    assert top[0] > top[1]

@@ -105,7 +105,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins, const std::optional<at::Tensor>& bias);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                       bool portable);
+                       bool portable, bool fp32_out = false);
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& smooth_inv, const std::optional<at::Tensor>& bias, bool portable);
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
 #include "cpu_vec.h"
 #include "ops.h"
@@ -198,8 +199,8 @@ constexpr int64_t kBf16MaxRows = 12; // rows of x per register tile: 24 accumula
 constexpr int64_t kBf16RowBlock = 120;  // rows whose x stays in L2 while the weights stream by
 
 #if defined(__AVX512F__)
-template <int R, bool Dp>
-inline void bf16_rows(const c10::BFloat16* x, int64_t k, const c10::BFloat16* tile, c10::BFloat16* y, int64_t n,
+template <int R, bool Dp, typename TOut>
+inline void bf16_rows(const c10::BFloat16* x, int64_t k, const c10::BFloat16* tile, TOut* y, int64_t n,
                       int64_t n0, const c10::BFloat16* bias) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -248,8 +249,8 @@ inline void bf16_rows(const c10::BFloat16* x, int64_t k, const c10::BFloat16* ti
   }
 }
 
-template <bool Dp>
-void bf16_tile_rows(const c10::BFloat16* x, int64_t rows, int64_t k, const c10::BFloat16* tile, c10::BFloat16* y,
+template <bool Dp, typename TOut>
+void bf16_tile_rows(const c10::BFloat16* x, int64_t rows, int64_t k, const c10::BFloat16* tile, TOut* y,
                     int64_t n, int64_t n0, const c10::BFloat16* bias) {
   int64_t r = 0;
   for (; r + kBf16MaxRows <= rows; r += kBf16MaxRows)
@@ -263,12 +264,13 @@ void bf16_tile_rows(const c10::BFloat16* x, int64_t rows, int64_t k, const c10::
 }
 #endif  // __AVX512F__
 
-// y [M, N] bf16 = x [M, K] bf16 @ W.T (+ bias [N] bf16), W in the tiled layout above
-// (`weight` [N / 32, K / 2, 32, 2] bf16), accumulated in fp32 and
-// rounded to bf16 once, as oneDNN's bf16 matmul. `portable` forces the FMA path on a CPU with
-// AVX512_BF16 (tests compare the two).
+// y [M, N] = x [M, K] bf16 @ W.T (+ bias [N] bf16), W in the tiled layout above
+// (`weight` [N / 32, K / 2, 32, 2] bf16), accumulated in fp32 and rounded to bf16 once, as
+// oneDNN's bf16 matmul, or handed over in fp32 with `fp32_out` (the LM head: bf16 logits have
+// steps of 0.125 at SmolLM2's sizes, and near-equal ones became exact ties). `portable` forces
+// the FMA path on a CPU with AVX512_BF16 (tests compare the two).
 at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                       bool portable) {
+                       bool portable, bool fp32_out) {
   TORCH_CHECK_VALUE(weight.dim() == 4 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
                         weight.size(2) == kBf16Tile && weight.size(3) == 2,
                     "bf16_linear: weight must be a contiguous bfloat16 [N / 32, K / 2, 32, 2] tensor, got ",
@@ -281,38 +283,42 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight, const s
                     "bf16_linear: bias must be bfloat16 [", n, "]");
   const at::Tensor x = x_in.contiguous();
   const int64_t m = x.size(0);
-  at::Tensor y = at::empty({m, n}, x.options());
+  at::Tensor y = at::empty({m, n}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   if (m == 0) return y;
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* wp = weight.data_ptr<c10::BFloat16>();
   const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
-  auto* yp = y.data_ptr<c10::BFloat16>();
-  // Each thread takes a contiguous run of tiles (one stream through memory) and, for each block
-  // of rows, passes every tile of its run over them.
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t row0 = 0; row0 < m; row0 += kBf16RowBlock) {
-      const int64_t rows = std::min(kBf16RowBlock, m - row0);
-      for (int64_t t = begin; t < end; ++t) {
-        const c10::BFloat16* tile = wp + t * kBf16Tile * k;
+  auto run = [&](auto* yp) {
+    // Each thread takes a contiguous run of tiles (one stream through memory) and, for each
+    // block of rows, passes every tile of its run over them.
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t row0 = 0; row0 < m; row0 += kBf16RowBlock) {
+        const int64_t rows = std::min(kBf16RowBlock, m - row0);
+        for (int64_t t = begin; t < end; ++t) {
+          const c10::BFloat16* tile = wp + t * kBf16Tile * k;
 #if defined(__AVX512F__)
-        if (portable) bf16_tile_rows<false>(xp + row0 * k, rows, k, tile, yp + row0 * n, n, t * kBf16Tile, bp);
-        else bf16_tile_rows<true>(xp + row0 * k, rows, k, tile, yp + row0 * n, n, t * kBf16Tile, bp);
+          if (portable) bf16_tile_rows<false>(xp + row0 * k, rows, k, tile, yp + row0 * n, n, t * kBf16Tile, bp);
+          else bf16_tile_rows<true>(xp + row0 * k, rows, k, tile, yp + row0 * n, n, t * kBf16Tile, bp);
 #else
-        (void)portable;
-        for (int64_t r = row0; r < row0 + rows; ++r) {
-          for (int64_t c = t * kBf16Tile; c < std::min(n, (t + 1) * kBf16Tile); ++c) {
-            float sum = 0.f;
-            for (int64_t i = 0; i < k; ++i) {
-              sum += static_cast<float>(xp[r * k + i]) *
-                     static_cast<float>(tile[(i / 2) * 2 * kBf16Tile + (c - t * kBf16Tile) * 2 + i % 2]);
+          (void)portable;
+          for (int64_t r = row0; r < row0 + rows; ++r) {
+            for (int64_t c = t * kBf16Tile; c < std::min(n, (t + 1) * kBf16Tile); ++c) {
+              float sum = 0.f;
+              for (int64_t i = 0; i < k; ++i) {
+                sum += static_cast<float>(xp[r * k + i]) *
+                       static_cast<float>(tile[(i / 2) * 2 * kBf16Tile + (c - t * kBf16Tile) * 2 + i % 2]);
+              }
+              using TOut = std::remove_pointer_t<decltype(yp)>;
+              yp[r * n + c] = static_cast<TOut>(sum + (bp ? static_cast<float>(bp[c]) : 0.f));
             }
-            yp[r * n + c] = c10::BFloat16(sum + (bp ? static_cast<float>(bp[c]) : 0.f));
           }
-        }
 #endif
+        }
       }
-    }
-  });
+    });
+  };
+  if (fp32_out) run(y.data_ptr<float>());
+  else run(y.data_ptr<c10::BFloat16>());
   return y;
 }
 
@@ -477,7 +483,7 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales, c
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? bias) -> Tensor", &pagedllm::int8_linear);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias) -> Tensor", &pagedllm::int4_linear);
-  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias, bool portable=False) -> Tensor",
+  m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias, bool portable=False, bool fp32_out=False) -> Tensor",
         &pagedllm::bf16_linear);
   m.def("int8_dequantize(Tensor codes, Tensor scales) -> Tensor", &pagedllm::int8_dequantize);
   m.def("int4_dequantize(Tensor packed, Tensor scales, Tensor mins) -> Tensor", &pagedllm::int4_dequantize);

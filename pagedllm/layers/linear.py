@@ -139,17 +139,25 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(weight.to(dtype).t().contiguous(), requires_grad=False)
         self.packed = self.blocked = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``[rows, in_features]`` -> ``[rows, out_features]`` in ``x``'s dtype, or in
+        ``out_dtype=torch.float32``: bf16 tiles then hand over their fp32 sums unrounded (the LM
+        head's logits); the other paths compute in ``x``'s dtype and convert."""
         if self.blocked is not None:
             ops = native_ops()
             if ops is None:  # the ops turned off after packing (tests): the same product in torch
+                if out_dtype == torch.float32:
+                    bias = None if self.bias is None else self.bias.float()
+                    return F.linear(x.float(), unblock_bf16(self.blocked).float(), bias)
                 return F.linear(x, unblock_bf16(self.blocked), self.bias)
-            return ops.bf16_linear(x, self.blocked, self.bias)
+            return ops.bf16_linear(x, self.blocked, self.bias, False, out_dtype == torch.float32)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.bias is None:
-            return torch.mm(x, self.weight_t)
-        return torch.addmm(self.bias, x, self.weight_t)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        elif self.bias is None:
+            y = torch.mm(x, self.weight_t)
+        else:
+            y = torch.addmm(self.bias, x, self.weight_t)
+        return y if out_dtype is None else y.to(out_dtype)
 
     def kernel_args(self) -> list[torch.Tensor]:
         """The tensors the C++ ``decode_layers`` op multiplies by: ``[weight_t, packed or

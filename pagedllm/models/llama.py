@@ -240,13 +240,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[num_rows, hidden_size]`` -> ``[num_rows, vocab_size]`` fp32 logits.
 
-        A quantized head computes fp32 products and hands them over unrounded: rounded to bf16
+        Every head hands its fp32 products over unrounded, a bf16 one included: rounded to bf16
         (steps of 0.125 at SmolLM2's logit sizes), near-equal logits became exact ties that
         greedy decoding broke by token id (issue 19.1: int4 + bf16 answered "L'Étoile..." to
-        "What is the capital of France?" where the logits of "L" and "The" were 0.1 apart).
+        "What is the capital of France?" where the logits of "L" and "The" were 0.1 apart; the
+        unquantized bf16 model did the same until its head kept fp32 too).
         """
-        if isinstance(self.lm_head, Linear):
-            return self.lm_head(hidden).float()
         return self.lm_head(hidden, out_dtype=torch.float32)
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
