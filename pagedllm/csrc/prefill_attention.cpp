@@ -187,7 +187,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     alignas(64) float q[kTile * kHeadDim];
     alignas(64) float o[kTile * kHeadDim];
-    alignas(64) float p[kTile * kTile];            // an int8 cache: a tile's weights times V scales
+    alignas(64) float p[kTile * kTile];          // an int8 cache: a tile's weights times V scales
     alignas(64) float v_wide[kTile * kHeadDim];  // an int8 cache: a tile's V codes as fp32
     float inv_sum[kTile], q_scales[kTile];
     int8_t q8[kHeadDim + kKvScaleBytes];

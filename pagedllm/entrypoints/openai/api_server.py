@@ -574,7 +574,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
 
     Raises:
         ValueError: a bad option (engine options, --max-waiting-requests, --request-timeout,
-            --drain-timeout, --max-queue-wait, --max-request-body-bytes, the keys file) or a configuration that cannot run.
+            --drain-timeout, --max-queue-wait, --max-request-body-bytes, the keys file) or a
+            configuration that cannot run.
     """
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
