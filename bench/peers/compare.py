@@ -131,12 +131,13 @@ def line(r: dict, name: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    peers_dir = os.environ.get("PEERS_DIR", "/tmp/peers")  # the peers' venvs, models and logs
     parser.add_argument("--repeats", type=int, default=2, help="alternations pagedllm/vllm (default 2)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--workload-seed", type=int, default=0)
-    parser.add_argument("--vllm-venv", default="/tmp/peers/vllm-venv")
-    parser.add_argument("--model-dir", default="/tmp/peers/smollm2-hf", help="exported HF folder for vllm")
-    parser.add_argument("--workdir", default="/tmp/peers", help="workload JSON and per-run logs go here")
+    parser.add_argument("--vllm-venv", default=os.path.join(peers_dir, "vllm-venv"))
+    parser.add_argument("--model-dir", default=os.path.join(peers_dir, "smollm2-hf"), help="exported HF folder for vllm")
+    parser.add_argument("--workdir", default=peers_dir, help="workload JSON and per-run logs go here")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per process")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both systems")
     parser.add_argument("--quantization", choices=["int8", "int4", "w8a8", "w4a8"], help="pagedllm only")

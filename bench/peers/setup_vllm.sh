@@ -3,13 +3,17 @@
 # Benchmarks only; never part of CI. About 3.4 GB of disk, a few minutes.
 #
 #   bash bench/peers/setup_vllm.sh [VENV_DIR] [MODEL_DIR]
-#        defaults: /tmp/peers/vllm-venv  /tmp/peers/smollm2-hf
-# Env: PAGEDLLM_PYTHON (default /work/venv/bin/python) is the python with pagedllm + transformers.
+#        defaults: $PEERS_DIR/vllm-venv  $PEERS_DIR/smollm2-hf
+# Env: PEERS_DIR (default /tmp/peers) holds the peers' venvs, models and logs;
+#      PAGEDLLM_PYTHON (default the repository's .venv/bin/python, made by ./install.sh) is the
+#      python with pagedllm + transformers.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-VENV=${1:-/tmp/peers/vllm-venv}
-MODEL=${2:-/tmp/peers/smollm2-hf}
-PY=${PAGEDLLM_PYTHON:-/work/venv/bin/python}
+ROOT=$(cd "$HERE/../.." && pwd)
+PEERS_DIR=${PEERS_DIR:-/tmp/peers}
+VENV=${1:-$PEERS_DIR/vllm-venv}
+MODEL=${2:-$PEERS_DIR/smollm2-hf}
+PY=${PAGEDLLM_PYTHON:-$ROOT/.venv/bin/python}
 
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import vllm' 2>/dev/null; then
     python3 -m venv "$VENV"

@@ -56,14 +56,15 @@ def pagedllm_worker(prompt_path: str, config: str, model: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    peers_dir = os.environ.get("PEERS_DIR", "/tmp/peers")  # the peers' venvs, models and logs
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--llama-venv", default="/tmp/peers/llama-venv")
+    parser.add_argument("--llama-venv", default=os.path.join(peers_dir, "llama-venv"))
     parser.add_argument("--model", default="smollm2-135m", help="pagedllm model (default smollm2-135m)")
-    parser.add_argument("--gguf", nargs="+", default=["/tmp/peers/smollm2-bf16.gguf"],
+    parser.add_argument("--gguf", nargs="+", default=[os.path.join(peers_dir, "smollm2-bf16.gguf")],
                         help="GGUF files for llama.cpp, the first one the reference (a bf16 conversion)")
     parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS,
                         help="pagedllm quantizations to run (default all)")
-    parser.add_argument("--workdir", default="/tmp/peers")
+    parser.add_argument("--workdir", default=peers_dir)
     parser.add_argument("--worker", nargs=3, metavar=("PROMPT_JSON", "CONFIG", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
