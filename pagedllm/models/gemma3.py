@@ -266,12 +266,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         loader's Llama fields ``common``.
 
         Raises:
-            ValueError: logit soft-capping (Gemma 2), an activation other than GELU-tanh, or
-                scaled RoPE (Gemma 3 4B-27B's global layers).
+            ValueError: logit soft-capping (Gemma 2), an activation other than GELU-tanh,
+                scaled RoPE (Gemma 3 4B-27B's global layers), biases (``attention_bias``:
+                HF puts them on q/k/v and o) or bidirectional attention (EmbeddingGemma).
         """
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
             if raw.get(key) is not None:
                 raise ValueError(f"{key}={raw[key]} is not supported (Gemma 3 has none)")
+        for key in ("attention_bias", "use_bidirectional_attention"):
+            if raw.get(key):
+                raise ValueError(f"{key}={raw[key]!r} is not supported (Gemma 3 text decoders have neither)")
         activation = raw.get("hidden_activation", "gelu_pytorch_tanh")
         if activation != "gelu_pytorch_tanh":
             raise ValueError(f"hidden_activation {activation!r} is not supported (gelu_pytorch_tanh only)")
@@ -284,13 +288,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 raise ValueError(f"{layer_type} rope_type {rope[layer_type]['rope_type']!r} is not supported "
                                  "(default RoPE only; the 4B-27B models scale it)")
         num_layers = raw["num_hidden_layers"]
-        pattern = raw.get("sliding_window_pattern", 6)
+        pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6))
         return Gemma3Config(
             **{**common,
                "rope_theta": float((rope.get(FULL) or {}).get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
-               "tie_word_embeddings": raw.get("tie_word_embeddings", True) or common["tie_word_embeddings"]},
+               "tie_word_embeddings": raw.get("tie_word_embeddings", True) or common["tie_word_embeddings"],
+               "sliding_window": int(raw.get("sliding_window") or 4096)},
             query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
-            sliding_window=int(raw.get("sliding_window") or 4096),
             layer_types=tuple(raw.get("layer_types") or default_layer_types(num_layers, pattern)),
             rope_local_base_freq=float((rope.get(SLIDING) or {}).get(
                 "rope_theta", raw.get("rope_local_base_freq", 10000.0))),

@@ -4,10 +4,16 @@ Computes what Hugging Face ``transformers`` ``modeling_llama.py`` computes, in t
 arithmetic, so that greedy output is token-for-token equal; the layout is vLLM's: Q/K/V and
 gate/up projections are one matmul each, RoPE is applied in place to the QKV rows, the residual
 add is fused into the next RMSNorm, and SiLU x up is one op (``layers/ops.py``).
+
+The same layers run the families that differ from Llama only by a switch in ``LlamaConfig``:
+Qwen2 (Q/K/V biases), Qwen3 (per-head q/k RMSNorm, ``qk_norm``) and Mistral (a
+``sliding_window`` over every layer); ``models/hf_config.py`` reads those switches from a
+``config.json``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,7 +32,14 @@ from pagedllm.models.sharding import TensorParallelShard
 class LlamaConfig:
     """Architecture hyper-parameters (Hugging Face ``LlamaConfig`` names).
 
-    ``attention_bias`` adds biases to the Q/K/V projections (Qwen2).
+    ``attention_bias`` adds biases to the Q/K/V projections (Qwen2), ``o_proj_bias`` to the
+    output projection (HF Llama's and Qwen3's ``attention_bias`` sets both), ``mlp_bias`` to
+    gate, up and down (HF ``mlp_bias``). ``rope_scaling``: the scaled RoPE's HF parameters
+    (``rope_type`` ``"linear"`` or ``"llama3"`` and theirs, see ``rope_inverse_frequencies``),
+    None for plain RoPE; ``rope_freq_factors``: llama.cpp's per-frequency divisors (a GGUF's
+    ``rope_freqs.weight``), None for none. ``qk_norm``: q and k are RMS-normed per head before
+    RoPE (Qwen3). ``sliding_window``: every layer attends to the last ``sliding_window``
+    positions, the current one included (Mistral; None: all of them).
     """
 
     vocab_size: int
@@ -44,6 +57,12 @@ class LlamaConfig:
     architecture: str = "llama"
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: Optional[dict] = None
+    rope_freq_factors: Optional[tuple[float, ...]] = None
+    qk_norm: bool = False
+    sliding_window: Optional[int] = None
 
 
 class RMSNorm(nn.Module):
@@ -64,19 +83,67 @@ class RMSNorm(nn.Module):
         return add_rms_norm_(x, residual, self.weight, self.eps)
 
 
+SCALED_ROPE_TYPES = ("linear", "llama3")
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, rope_scaling: Optional[dict] = None,
+                             freq_factors: Optional[tuple[float, ...]] = None) -> torch.Tensor:
+    """RoPE's ``head_dim / 2`` inverse frequencies ``theta ** (-2i / head_dim)``, fp32 on the CPU,
+    scaled as ``rope_scaling`` says, with the same fp32 operations as HF
+    ``modeling_rope_utils.py`` (so the tables are bitwise transformers'):
+
+    - ``{"rope_type": "linear", "factor": f}`` divides each by ``f`` (``_compute_linear_scaling_rope_parameters``);
+    - ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+      "original_max_position_embeddings"}`` (Llama 3.1/3.2; ``_compute_llama3_parameters``):
+      wavelengths ``2 pi / f`` longer than ``original / low_freq_factor`` are divided by
+      ``factor``, those shorter than ``original / high_freq_factor`` kept, and the ones between
+      interpolated linearly in ``original / wavelength``.
+
+    ``freq_factors`` (llama.cpp's ``rope_freqs.weight``, which its converter computes from the
+    llama3 parameters) divides frequency ``i`` by ``freq_factors[i]``, as ``ggml_rope_ext`` does.
+
+    Raises:
+        ValueError: a ``rope_type`` other than those two, or ``freq_factors`` of the wrong length.
+    """
+    arange = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (theta ** (arange.float() / head_dim))
+    if freq_factors is not None:
+        if len(freq_factors) != head_dim // 2:
+            raise ValueError(f"rope_freqs has {len(freq_factors)} factors, head_dim {head_dim} needs {head_dim // 2}")
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
+    if rope_scaling is None:
+        return inv_freq
+    rope_type = rope_scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / rope_scaling["factor"]
+    if rope_type != "llama3":
+        raise ValueError(f"rope_type {rope_type!r} is not supported (default, {', '.join(SCALED_ROPE_TYPES)})")
+    factor = rope_scaling["factor"]
+    low_freq_factor, high_freq_factor = rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
+    original = rope_scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = original / low_freq_factor, original / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding tables, "rotate half" layout (Su et al. 2021; HF ``apply_rotary_pos_emb``).
 
     ``cos``/``sin``: ``[max_positions, head_dim]`` fp32; the rotation itself is
     ``layers.ops.rotary_embedding_``, applied in place to the fused QKV rows.
+    ``rope_scaling``/``freq_factors``: see ``rope_inverse_frequencies``.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, rope_scaling: Optional[dict] = None,
+                 freq_factors: Optional[tuple[float, ...]] = None) -> None:
         super().__init__()
         # Plain attributes on the CPU, not buffers: the model may be built on the meta device
         # and cast to bf16, and these must stay exact fp32 tables.
-        arange = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
-        inv_freq = 1.0 / (theta ** (arange.float() / head_dim))
+        inv_freq = rope_inverse_frequencies(head_dim, theta, rope_scaling, freq_factors)
         freqs = torch.arange(max_positions, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos()
@@ -85,7 +152,11 @@ class RotaryEmbedding(nn.Module):
 
 class LlamaAttention(nn.Module):
     """Grouped-query attention over this rank's heads (``tp``): Q/K/V column-parallel, o_proj
-    row-parallel, its partial sums added over the ranks by one all-reduce."""
+    row-parallel, its partial sums added over the ranks by one all-reduce.
+
+    With ``config.qk_norm`` each head of q and k is RMS-normed (``q_norm``/``k_norm``,
+    ``[head_dim]`` weights) before RoPE (HF ``modeling_qwen3.py``: ``Qwen3Attention``).
+    """
 
     def __init__(self, config: LlamaConfig, tp: TensorParallelShard = TensorParallelShard()) -> None:
         super().__init__()
@@ -96,21 +167,32 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
+        self.sliding_window = config.sliding_window
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, positions, hidden, kv_cache, metadata, rotary):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if self.q_norm is not None:
+            # Normed per head and written back into the fused rows, which RoPE then rotates in place.
+            q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
+            q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size))
+            k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size))
         rotary_embedding_(qkv, positions, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads,
                           self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.o_proj(paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata,
-                                          self.scale).reshape(num_tokens, self.q_size))
+        out = self.o_proj(paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale,
+                                          self.sliding_window).reshape(num_tokens, self.q_size))
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
 
@@ -122,8 +204,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.tp_size = tp.size
         intermediate_size = config.intermediate_size // tp.size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -170,16 +252,25 @@ class LlamaForCausalLM(nn.Module):
     Attributes:
         fused_decode: runs the decoder layers of a decode-only step as one C++ call
             (``layers/fused_decode.py``); ``fused_decode.enabled = False`` forces the Python layers.
-            None in a subclass whose layers have another shape (``models/gemma3.py``).
-            Off under tensor parallelism: the op runs every layer in one call, and the
-            all-reduces must run between its attention and MLP halves.
+            None where the layers have another shape: q/k norms (Qwen3), a sliding window
+            (Mistral), or a subclass's own layers (``models/gemma3.py``); the op implements
+            the plain Llama layer only. Off under tensor parallelism: the op runs every layer
+            in one call, and the all-reduces must run between its attention and MLP halves.
         unquantized_weight_bytes: the weights' bytes before ``quantize_model`` (None: not quantized).
+
+    Raises:
+        ValueError: biases on o_proj or the MLP with ``tp.size > 1`` (a row-parallel layer's
+            bias would be added once per rank by the all-reduce), or a ``rope_type`` that
+            ``rope_inverse_frequencies`` does not implement.
     """
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
                  quantization: Optional[str] = None, tp: TensorParallelShard = TensorParallelShard()) -> None:
         super().__init__()
         tp.check(config, quantization)
+        if tp.size > 1 and (config.o_proj_bias or config.mlp_bias):
+            raise ValueError(f"tensor_parallel_size={tp.size} with biases on o_proj or the MLP (attention_bias / "
+                             "mlp_bias) is not supported: use tensor_parallel_size=1")
         self.config = config
         self.tp = tp
         self.dtype = dtype
@@ -188,12 +279,14 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling, config.rope_freq_factors)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
-        # The layers are the standard Llama decoder layer, so the C++ op can run them.
-        self.fused_decode = FusedDecode(self.layers, self.rotary, config.rms_norm_eps, quantization)
-        self.fused_decode.enabled = tp.size == 1
+        self.fused_decode: Optional[FusedDecode] = None
+        if not config.qk_norm and config.sliding_window is None:
+            self.fused_decode = FusedDecode(self.layers, self.rotary, config.rms_norm_eps, quantization)
+            self.fused_decode.enabled = tp.size == 1
 
     @property
     def num_kv_heads_per_rank(self) -> int:
@@ -208,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
         Returns: ``[num_tokens, hidden_size]`` final-normed hidden states.
         """
         hidden, residual = self.embed_tokens(input_ids), None
-        if self.fused_decode.applies(metadata, hidden.shape[0]):
+        if self.fused_decode is not None and self.fused_decode.applies(metadata, hidden.shape[0]):
             hidden, residual = self.fused_decode(hidden, positions, kv_caches, metadata)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
@@ -251,9 +344,9 @@ class LlamaForCausalLM(nn.Module):
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Install weights named as in Hugging Face ``LlamaForCausalLM``, cast to ``self.dtype``.
 
-        Q/K/V and gate/up are concatenated into the fused projections. A missing
-        ``lm_head.weight`` (or ``tie_word_embeddings``) ties the head to the embedding. Works on
-        a model built on the meta device: every parameter is replaced.
+        Q/K/V and gate/up (weights and biases) are concatenated into the fused projections. A
+        missing ``lm_head.weight`` (or ``tie_word_embeddings``) ties the head to the embedding.
+        Works on a model built on the meta device: every parameter is replaced.
 
         Raises:
             ValueError: a tensor is missing or has the wrong shape.
@@ -289,11 +382,22 @@ class LlamaForCausalLM(nn.Module):
                 bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
                 put(attn.qkv_proj, "bias", bias, p + "self_attn.qkv_proj.bias")
             put(attn.o_proj, "weight", take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            if attn.o_proj.bias is not None:
+                put(attn.o_proj, "bias", take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
+            mlp = layer.mlp
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(layer.mlp.gate_up_proj, "weight", gate_up, p + "mlp.gate_up_proj.weight")
-            put(layer.mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                put(getattr(layer, norm), "weight", take(p + norm + ".weight"), p + norm + ".weight")
+            put(mlp.gate_up_proj, "weight", gate_up, p + "mlp.gate_up_proj.weight")
+            put(mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            if mlp.gate_up_proj.bias is not None:
+                gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+                put(mlp.gate_up_proj, "bias", gate_up_bias, p + "mlp.gate_up_proj.bias")
+                put(mlp.down_proj, "bias", take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
+            norms = ["input_layernorm", "post_attention_layernorm"]
+            if attn.q_norm is not None:
+                norms += ["self_attn.q_norm", "self_attn.k_norm"]
+            for norm in norms:
+                module = layer.get_submodule(norm)
+                put(module, "weight", take(p + norm + ".weight"), p + norm + ".weight")
         if "lm_head.weight" in state_dict and not self.config.tie_word_embeddings:
             put(self.lm_head, "weight", state_dict["lm_head.weight"], "lm_head.weight")
         else:

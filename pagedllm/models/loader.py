@@ -22,10 +22,13 @@ from pagedllm.huge_pages import move_weights_to_huge_pages
 from pagedllm.layers.quantization import (CHECKPOINT_QUANTIZATION_METHODS, Int4Weight, Int8Weight, int4_from_q4_1,
                                           int4_from_q4_k, quantize_model)
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.hf_config import config_from_hf
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
+from pagedllm.models.mistral import MistralForCausalLM
 from pagedllm.models.quantized_checkpoint import (checkpoint_quantization, pop_quantized_modules,
                                                   read_quantized_weight, weight_shape)
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
+from pagedllm.models.qwen3 import Qwen3ForCausalLM
 from pagedllm.models.sharding import TensorParallelShard
 from pagedllm.models.registry import NAMED_MODELS, resolve_named_model
 
@@ -61,11 +64,13 @@ _GGUF_GLOBAL_NAMES = {
 # ``gguf_layer_names`` (tensor names that differ from the table above), ``complete_hf_config``
 # (the config.json dict) and ``gguf_tensor_to_hf`` (a tensor's values), and the config with
 # ``config_from_hf`` (see models/gemma3.py).
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "gemma3_text": Gemma3ForCausalLM}
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+                 "mistral": MistralForCausalLM, "gemma3_text": Gemma3ForCausalLM}
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
-# GGUF ``general.architecture`` -> Hugging Face ``model_type``.
-_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
-_HF_ARCHITECTURE_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# GGUF ``general.architecture`` -> Hugging Face ``model_type``. llama.cpp writes Mistral as ``llama``.
+_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+_HF_ARCHITECTURE_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                          "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp permutes Q/K rows for these architectures only (its "normal" RoPE); qwen2 uses the
 # NEOX ("rotate half") layout that Hugging Face uses, so its rows are stored as they are.
 _ROPE_PERMUTED_ARCHITECTURES = ("llama",)
@@ -410,10 +415,7 @@ def _load_hf_folder(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
-    if raw.get("use_sliding_window"):
-        raise ValueError(f"{path}: use_sliding_window=true is not supported (full attention only)")
     quant = checkpoint_quantization(raw, None)
-    defaults = getattr(MODEL_CLASSES[model_type], "hf_config_defaults", {})
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} has no *.safetensors files")
@@ -423,26 +425,6 @@ def _load_hf_folder(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     if quant is not None:
         for prefix, parts in pop_quantized_modules(state_dict, quant).items():
             state_dict[f"{prefix}.weight"] = torch.empty(weight_shape(parts, quant), device="meta")
-    num_heads = raw["num_attention_heads"]
-    rope_theta = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    eos = raw.get("eos_token_id")
-    common = dict(
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=raw["num_hidden_layers"],
-        num_attention_heads=num_heads,
-        num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope_theta),
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        tie_word_embeddings=raw.get("tie_word_embeddings", False) or "lm_head.weight" not in state_dict,
-        attention_bias=raw.get("attention_bias", defaults.get("attention_bias", False)),
-        architecture=model_type,
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
-    )
-    config_from_hf = getattr(MODEL_CLASSES[model_type], "config_from_hf", None)
-    config = LlamaConfig(**common) if config_from_hf is None else config_from_hf(raw, common)
+    config = config_from_hf(raw, "lm_head.weight" in state_dict,
+                            getattr(MODEL_CLASSES[model_type], "config_from_hf", None))
     return config, {k: v.float() for k, v in state_dict.items()}

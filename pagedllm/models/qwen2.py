@@ -23,9 +23,6 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         ValueError: a config without Q/K/V biases (every Qwen2 checkpoint has them).
     """
 
-    # Hugging Face's Qwen2Config has no ``attention_bias`` key: the biases are implied.
-    hf_config_defaults = {"attention_bias": True}
-
     def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
                  quantization: Optional[str] = None, tp: TensorParallelShard = TensorParallelShard()) -> None:
         if not config.attention_bias:

@@ -1,0 +1,204 @@
+"""A Hugging Face ``config.json`` as a ``LlamaConfig``: every field that transformers' model reads
+is implemented or refused, never ignored.
+
+transformers' modeling code reads the fields its config class declares (``LlamaConfig``,
+``Qwen2Config``, ``Qwen3Config``, ``MistralConfig``, ``Gemma3TextConfig``), plus the older
+spellings ``rope_scaling``, ``rope_theta`` and ``torch_dtype`` that it folds into
+``rope_parameters`` and ``dtype``. A key no class declares is kept by transformers as an
+attribute and never read, so it is ignored here as there. Each declared field is in one of:
+
+- ``INERT_FIELDS``: no effect on what inference computes (training, output plumbing, metadata);
+- ``READ_FIELDS``: read into the ``LlamaConfig`` (all families);
+- ``FAMILY_FIELDS[model_type]``: read or checked by that family, which refuses with a
+  ``ValueError`` naming the field and value any setting it does not implement.
+
+``tests/test_model_families.py`` checks that the three cover every field of the installed
+transformers' classes, so a field added by a newer transformers fails a test rather than being
+skipped. Absent keys take the values of transformers' class defaults (``FAMILY_DEFAULTS``), as
+``from_pretrained`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from pagedllm.models.llama import SCALED_ROPE_TYPES, LlamaConfig
+
+INERT_FIELDS = frozenset({
+    "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label", "label2id",
+    "is_encoder_decoder", "model_type", "output_attentions", "output_hidden_states", "problem_type",
+    "return_dict", "transformers_version", "use_cache",
+    "initializer_range", "attention_dropout",  # training only
+    "pad_token_id",  # batches are not padded
+    # transformers 4 split each matmul into pretraining_tp slices of the same product (Llama 2's
+    # tensor-parallel layout); transformers 5 no longer reads it.
+    "pretraining_tp",
+})
+READ_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+    "bos_token_id", "eos_token_id", "rope_parameters", "rope_scaling", "rope_theta",
+})
+_QWEN_WINDOW_FIELDS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+FAMILY_FIELDS = {
+    "llama": frozenset({"hidden_act", "attention_bias", "mlp_bias"}),
+    "qwen2": frozenset({"hidden_act"}) | _QWEN_WINDOW_FIELDS,
+    "qwen3": frozenset({"hidden_act", "attention_bias"}) | _QWEN_WINDOW_FIELDS,
+    "mistral": frozenset({"hidden_act", "sliding_window"}),
+    # models/gemma3.py: config_from_hf
+    "gemma3_text": frozenset({"hidden_activation", "attention_bias", "use_bidirectional_attention",
+                              "final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar",
+                              "sliding_window", "layer_types", "_sliding_window_pattern", "sliding_window_pattern",
+                              "rope_local_base_freq"}),
+}
+# transformers' class defaults for the keys a real config.json may leave out and that differ
+# between families (``configuration_<family>.py``); the others default as ``LlamaConfig``'s.
+FAMILY_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
+    "gemma3_text": {"max_position_embeddings": 131072, "num_key_value_heads": 4, "head_dim": 256},
+}
+DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
+
+
+def _refuse(field: str, value, supported: str) -> None:
+    raise ValueError(f"{field}={value!r} is not supported ({supported})")
+
+
+def rope_from_hf(raw: dict) -> tuple[float, Optional[dict]]:
+    """``(rope_theta, rope_scaling)`` for ``LlamaConfig`` from a ``config.json`` dict, resolved as
+    transformers 5 does (``modeling_rope_utils.RotaryEmbeddingConfigMixin``): ``rope_scaling``
+    (transformers 4's key, Llama 3.1's config.json) wins over ``rope_parameters``; its
+    ``rope_theta`` over the top-level one; ``type`` is the old name of ``rope_type``; llama3's
+    ``original_max_position_embeddings`` defaults to ``max_position_embeddings``.
+
+    Returns ``rope_scaling`` None for plain RoPE, else the parameters
+    ``llama.rope_inverse_frequencies`` takes.
+
+    Raises:
+        ValueError: a ``rope_type`` other than default, linear and llama3 (yarn, dynamic,
+            longrope, ...), per-layer-type RoPE parameters, a ``partial_rotary_factor`` other
+            than 1, or a scaled type without its parameters.
+    """
+    params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    nested = [key for key, value in params.items() if isinstance(value, dict)]
+    if nested:
+        _refuse("rope_parameters", {key: params[key] for key in nested}, "one RoPE for all layers")
+    for partial in (raw.get("partial_rotary_factor"), params.get("partial_rotary_factor")):
+        if partial not in (None, 1, 1.0):
+            _refuse("partial_rotary_factor", partial, "RoPE over the whole head only")
+    theta = float(params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in SCALED_ROPE_TYPES:
+        _refuse("rope_type", rope_type, f"default, {', '.join(SCALED_ROPE_TYPES)}")
+    needed = ("factor",) if rope_type == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    missing = [key for key in needed if params.get(key) is None]
+    if missing:
+        raise ValueError(f"rope_type {rope_type!r} needs {', '.join(missing)} in rope_parameters, got {params}")
+    scaling = {"rope_type": rope_type, **{key: float(params[key]) for key in needed}}
+    if rope_type == "llama3":
+        scaling["original_max_position_embeddings"] = int(params.get(
+            "original_max_position_embeddings", raw.get("max_position_embeddings", 2048)))
+    return theta, scaling
+
+
+def _check_hidden_act(raw: dict) -> None:
+    if raw.get("hidden_act", "silu") != "silu":
+        _refuse("hidden_act", raw["hidden_act"], "silu: the MLP is SwiGLU")
+
+
+def _check_qwen_window(raw: dict) -> None:
+    """Qwen2/Qwen3 slide a window over layers ``max_window_layers`` and up when
+    ``use_sliding_window`` is set (HF ``Qwen2Config.__post_init__``); no released checkpoint does."""
+    if raw.get("use_sliding_window"):
+        _refuse("use_sliding_window", raw["use_sliding_window"], "full attention only")
+    windowed = [t for t in raw.get("layer_types") or () if t != "full_attention"]
+    if windowed:
+        _refuse("layer_types", sorted(set(windowed)), "full_attention only")
+
+
+def _llama_family(raw: dict, common: dict) -> dict:
+    _check_hidden_act(raw)
+    bias = bool(raw.get("attention_bias", False))
+    return {"attention_bias": bias, "o_proj_bias": bias, "mlp_bias": bool(raw.get("mlp_bias", False))}
+
+
+def _qwen2_family(raw: dict, common: dict) -> dict:
+    _check_hidden_act(raw)
+    _check_qwen_window(raw)
+    return {"attention_bias": True}  # HF Qwen2Attention: q/k/v always biased, o never
+
+
+def _qwen3_family(raw: dict, common: dict) -> dict:
+    _check_hidden_act(raw)
+    _check_qwen_window(raw)
+    bias = bool(raw.get("attention_bias", False))
+    return {"attention_bias": bias, "o_proj_bias": bias, "qk_norm": True}
+
+
+def _mistral_family(raw: dict, common: dict) -> dict:
+    """A window at least as long as the RoPE table can never cut a sequence short, so it is
+    full attention (and keeps the fused decode op)."""
+    _check_hidden_act(raw)
+    window = raw.get("sliding_window", FAMILY_DEFAULTS["mistral"]["sliding_window"])
+    if window is not None and (not isinstance(window, int) or window < 1):
+        _refuse("sliding_window", window, "a positive number of tokens or null")
+    if window is not None and window >= common["max_position_embeddings"]:
+        window = None
+    return {"sliding_window": window}
+
+
+_FAMILY_CONFIG: dict[str, Callable[[dict, dict], dict]] = {
+    "llama": _llama_family, "qwen2": _qwen2_family, "qwen3": _qwen3_family, "mistral": _mistral_family}
+
+
+def config_from_hf(raw: dict, has_lm_head: bool,
+                   family_config: Optional[Callable[[dict, dict], LlamaConfig]] = None) -> LlamaConfig:
+    """The ``LlamaConfig`` of a ``config.json`` dict whose ``model_type`` is supported.
+
+    Args:
+        raw: the ``config.json`` dict (a GGUF's too: ``models/loader.py`` writes one, with
+            ``rope_freq_factors`` from its ``rope_freqs.weight``).
+        has_lm_head: whether the checkpoint has ``lm_head.weight``.
+        family_config: a model class's ``config_from_hf(raw, common)`` that builds the config
+            itself from the common fields (Gemma 3); else the family's own checks here apply.
+
+    Raises:
+        ValueError: a field set to what the engine does not implement (see the module
+            docstring and ``rope_from_hf``), or an untied config without ``lm_head.weight``
+            (transformers would start the head from random weights).
+    """
+    model_type = raw["model_type"]
+    defaults = FAMILY_DEFAULTS.get(model_type, {})
+    num_heads = raw["num_attention_heads"]
+    rope_theta, rope_scaling = rope_from_hf(raw) if family_config is None else (None, None)
+    tied = bool(raw.get("tie_word_embeddings", model_type == "gemma3_text"))
+    if not tied and not has_lm_head:
+        raise ValueError("tie_word_embeddings=false but the checkpoint has no lm_head.weight")
+    eos = raw.get("eos_token_id")
+    common = dict(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=num_heads,
+        # An absent key takes the class default, a null one the value derived from the others.
+        num_key_value_heads=raw.get("num_key_value_heads", defaults.get("num_key_value_heads")) or num_heads,
+        head_dim=raw.get("head_dim", defaults.get("head_dim")) or raw["hidden_size"] // num_heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        max_position_embeddings=raw.get("max_position_embeddings", defaults.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=tied,
+        architecture=model_type,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+    )
+    if family_config is not None:
+        return family_config(raw, common)
+    factors = raw.get("rope_freq_factors")
+    common.update(rope_scaling=rope_scaling, rope_freq_factors=None if factors is None else tuple(factors))
+    return LlamaConfig(**common, **_FAMILY_CONFIG[model_type](raw, common))
