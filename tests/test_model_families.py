@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,8 +26,13 @@ from tests.conftest import run_to_completion
 
 VOCAB = 256
 MAX_TOKENS = 8
-# fp32 against fp32; the two sum in other orders (fused QKV, paged attention), measured ~1e-6.
+# fp32 against fp32; the two sum in other orders (fused QKV, paged attention): measured up to
+# 3e-5 over a 700-token prompt.
 LOGPROB_TOL = 1e-4
+# A Llama 3.x GGUF states llama.cpp's frequency divisors, not HF's parameters: its frequencies
+# differ from HF's by an ulp or so, its angles by up to 1.5e-5 at position 900, and prompt
+# logprobs by up to 2.1e-4 (measured, 700 tokens).
+GGUF_LLAMA3_LOGPROB_TOL = 1e-3
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -96,12 +102,12 @@ def native(request, monkeypatch):
     ops.native_ops.cache_clear()
 
 
-def assert_parity(hf, model, prompts: list[list[int]]) -> None:
+def assert_parity(hf, model, prompts: list[list[int]], logprob_tol: float = LOGPROB_TOL) -> None:
     for prompt, (tokens, logprobs) in zip(prompts, pagedllm_run(model, prompts)):
         expected_tokens, expected_logprobs = hf_reference(hf, prompt)
         assert tokens == expected_tokens
         torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64),
-                                   torch.tensor(expected_logprobs, dtype=torch.float64), rtol=0, atol=LOGPROB_TOL)
+                                   torch.tensor(expected_logprobs, dtype=torch.float64), rtol=0, atol=logprob_tol)
 
 
 def random_prompts(*lengths: int) -> list[list[int]]:
@@ -186,7 +192,7 @@ def test_every_transformers_config_field_is_handled(model_type):
     """Each field the installed transformers' config class declares is read, checked, or inert."""
     fields = set(hf_config_class(model_type)().to_dict())
     unhandled = fields - INERT_FIELDS - READ_FIELDS - FAMILY_FIELDS[model_type]
-    assert not unhandled, f"{model_type}: transformers reads {sorted(unhandled)}, pagedllm neither reads nor refuses them"
+    assert not unhandled, f"{model_type}: transformers reads {sorted(unhandled)}; pagedllm neither reads nor refuses"
 
 
 REFUSED = [
@@ -246,3 +252,130 @@ def test_json_round_trip_of_a_real_llama31_config(tmp_path):
     config = config_from_hf(raw, has_lm_head=False)
     assert config.rope_scaling["factor"] == 32.0 and config.rope_theta == 500000.0
     assert config.tie_word_embeddings and config.head_dim == 64
+
+
+# ------------------------------------------------------------------------------ GGUF
+_HF_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+               "lm_head.weight": "output.weight"}
+_HF_TO_GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                     "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
+                     "self_attn.k_norm": "attn_k_norm"}
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py ``LlamaModel.permute``: HF "rotate half" rows to its
+    interleaved RoPE pairs (what ``loader._unpermute_rope`` undoes)."""
+    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2) \
+        .reshape(weight.shape)
+
+
+def write_gguf(path, arch: str, hf, extra=None, extra_tensors=None) -> None:
+    """``hf`` as llama.cpp's converter writes it (fp32 tensors, no tokenizer): hyper-parameters
+    under ``{arch}.``, Q/K rows permuted for ``llama``, and for llama3 RoPE the
+    ``rope_freqs.weight`` divisors (``LlamaModel.generate_extra_tensors``)."""
+    import gguf
+
+    c = hf.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_vocab_size(c.vocab_size)
+    for key, value in (extra or {}).items():
+        getattr(writer, key)(value)
+    rope = c.rope_parameters
+    if rope["rope_type"] == "llama3":
+        plain = rope_inverse_frequencies(c.head_dim, rope["rope_theta"])
+        writer.add_tensor("rope_freqs.weight", (plain / hf.model.rotary_emb.inv_freq).numpy())
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
+    for name, tensor in hf.state_dict().items():
+        array = tensor.float().numpy()
+        if name in _HF_TO_GGUF:
+            writer.add_tensor(_HF_TO_GGUF[name], array)
+            continue
+        layer, rest = name[len("model.layers."):].split(".", 1)
+        module, kind = rest.rsplit(".", 1)
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            array = llama_cpp_permute(array, c.num_attention_heads if "q_proj" in module else c.num_key_value_heads)
+        writer.add_tensor(f"blk.{layer}.{_HF_TO_GGUF_LAYER[module]}.{kind}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def load_gguf(path):
+    """``loader._read_gguf``'s config and weights, saved as the folder ``model_folder`` writes
+    (without the tokenizer, which needs a vocabulary in the file), and loaded back."""
+    from safetensors.torch import save_file
+
+    from pagedllm.models.loader import _read_gguf
+
+    raw, state_dict, _ = _read_gguf(path)
+    folder = path.parent / "converted"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(raw))
+    save_file(state_dict, str(folder / "model.safetensors"))
+    return load_checkpoint(folder)
+
+
+def test_llama3_gguf_rope_freqs_equal_transformers(tiny_llama3, tmp_path):
+    """A Llama 3.x GGUF carries the scaling as ``rope_freqs.weight`` only (no metadata key); it
+    was skipped before, as any tensor the loader did not know."""
+    hf, _ = tiny_llama3
+    write_gguf(tmp_path / "m.gguf", "llama", hf)
+    config, state_dict = load_gguf(tmp_path / "m.gguf")
+    assert config.rope_scaling is None and len(config.rope_freq_factors) == 8
+    model = build_model(config, state_dict, torch.float32)
+    # Divided by llama.cpp's factors rather than scaled as HF does: the frequencies differ by
+    # an ulp or so, the angles by that times the position (1.5e-5 at position ~900).
+    torch.testing.assert_close(model.rotary.cos, tiny_llama3[1].rotary.cos, rtol=0, atol=1e-4)
+    assert_parity(hf, model, random_prompts(700), GGUF_LLAMA3_LOGPROB_TOL)
+
+
+def test_qwen3_gguf_equals_transformers(tmp_path):
+    hf = save_tiny_hf("qwen3", tmp_path, head_dim=32, tie_word_embeddings=False)
+    write_gguf(tmp_path / "m.gguf", "qwen3", hf)
+    config, state_dict = load_gguf(tmp_path / "m.gguf")
+    assert (config.architecture, config.qk_norm, config.head_dim) == ("qwen3", True, 32)
+    assert_parity(hf, build_model(config, state_dict, torch.float32), random_prompts(40))
+
+
+GGUF_REFUSED = [
+    ({"add_rope_scaling_type": "yarn"}, "llama.rope.scaling.type='yarn'"),
+    ({"add_expert_count": 8}, "llama.expert_count=8"),
+    ({"add_sliding_window": 4096}, "llama.attention.sliding_window=4096"),
+]
+
+
+@pytest.mark.parametrize("metadata,message", GGUF_REFUSED, ids=[m for _, m in GGUF_REFUSED])
+def test_gguf_metadata_the_engine_does_not_implement_is_refused(tmp_path, metadata, message):
+    import gguf
+
+    hf = save_tiny_hf("llama", tmp_path, num_hidden_layers=1)
+    if "add_rope_scaling_type" in metadata:
+        metadata = {"add_rope_scaling_type": gguf.RopeScalingType(metadata["add_rope_scaling_type"])}
+    write_gguf(tmp_path / "m.gguf", "llama", hf, metadata)
+    with pytest.raises(ValueError, match=message):
+        load_gguf(tmp_path / "m.gguf")
+
+
+def test_gguf_tensor_the_engine_would_not_read_is_refused(tmp_path):
+    """Skipped silently before (as ``rope_freqs.weight`` was): an expert's weight of a Mixtral
+    GGUF, which llama.cpp writes under the ``llama`` architecture too."""
+    hf = save_tiny_hf("llama", tmp_path, num_hidden_layers=1)
+    write_gguf(tmp_path / "m.gguf", "llama", hf, extra_tensors={"blk.0.ffn_gate_exps.weight": np.zeros((2, 4, 8),
+                                                                                                       np.float32)})
+    with pytest.raises(ValueError, match="GGUF tensor 'blk.0.ffn_gate_exps.weight'"):
+        load_gguf(tmp_path / "m.gguf")

@@ -110,7 +110,7 @@ def rope_inverse_frequencies(head_dim: int, theta: float, rope_scaling: Optional
     if freq_factors is not None:
         if len(freq_factors) != head_dim // 2:
             raise ValueError(f"rope_freqs has {len(freq_factors)} factors, head_dim {head_dim} needs {head_dim // 2}")
-        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32, device="cpu")
     if rope_scaling is None:
         return inv_freq
     rope_type = rope_scaling["rope_type"]

@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MODEL_FILE = NAMED_MODELS[DEFAULT_MODEL].file_name
-# Bumped when the converted folder's contents change, so that older folders are rebuilt.
-_CONVERSION_VERSION = 2
+# Bumped when the converted folder's contents change, so that older folders are rebuilt
+# (3: a Llama 3.x GGUF's rope_freqs.weight, dropped before, is kept as rope_freq_factors).
+_CONVERSION_VERSION = 3
 INT4_FILE = "gguf_int4.safetensors"
 
 # GGUF tensor name (after ``blk.N.``) -> Hugging Face name (after ``model.layers.N.``).
@@ -54,6 +55,10 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -309,13 +314,23 @@ def _gguf_field(reader, key: str, default=None):
 
 def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int4Weight]]:
     """A Hugging Face ``config.json`` dict, fp32 HF-layout weights, and the ``Q4_1``/``Q4_K``
-    weights as 4-bit codes (same names and row order) from a GGUF file."""
+    weights as 4-bit codes (same names and row order) from a GGUF file.
+
+    ``rope_freqs.weight`` (llama.cpp's per-frequency RoPE divisors, which its converter writes
+    for Llama 3.x's llama3 scaling) becomes the config's ``rope_freq_factors``.
+
+    Raises:
+        ValueError: an architecture not in ``_GGUF_MODEL_TYPES``, metadata the engine does not
+            implement (RoPE scaling other than linear, partial rotary, experts, a sliding
+            window outside Gemma 3), or a tensor it would not read.
+    """
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     arch = _gguf_field(reader, "general.architecture")
     if arch not in _GGUF_MODEL_TYPES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {tuple(_GGUF_MODEL_TYPES)})")
+    _check_gguf_metadata(reader, arch)
     model_class = MODEL_CLASSES[_GGUF_MODEL_TYPES[arch]]
     num_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
     num_kv_heads = int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads))
@@ -341,10 +356,14 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int
         "max_position_embeddings": int(_gguf_field(reader, f"{arch}.context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
+        "mlp_bias": "blk.0.ffn_down.bias" in names,
         "bos_token_id": _gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": None if eos is None else int(eos),
         "torch_dtype": "float32",
     }
+    if _gguf_field(reader, f"{arch}.rope.scaling.type", "none") == "linear":
+        raw_config["rope_scaling"] = {"rope_type": "linear",
+                                      "factor": float(_gguf_field(reader, f"{arch}.rope.scaling.factor"))}
     if hasattr(model_class, "complete_hf_config"):
         model_class.complete_hf_config(raw_config, lambda key, default: _gguf_field(reader, f"{arch}.{key}", default))
     layer_names = {**_GGUF_LAYER_NAMES, **getattr(model_class, "gguf_layer_names", {})}
@@ -352,9 +371,13 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int
     int4_readers = {gguf.GGMLQuantizationType.Q4_1: int4_from_q4_1, gguf.GGMLQuantizationType.Q4_K: int4_from_q4_k}
     state_dict, int4_weights = {}, {}
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            raw_config["rope_freq_factors"] = [float(x) for x in factors]
+            continue
         name = _gguf_to_hf_name(tensor.name, layer_names)
         if name is None:
-            continue
+            raise ValueError(f"GGUF tensor {tensor.name!r} ({arch}) is not supported: the engine has no use for it")
         shape = tuple(reversed([int(d) for d in tensor.shape]))
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if to_hf is not None:
@@ -375,6 +398,33 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int
         if int4 is not None:
             int4_weights[name] = int4
     return raw_config, state_dict, int4_weights
+
+
+def _check_gguf_metadata(reader, arch: str) -> None:
+    """Refuse llama.cpp metadata (``{arch}.*`` keys, gguf-py ``constants.Keys``) that changes what
+    the model computes and that the engine does not implement.
+
+    Raises:
+        ValueError: naming the key and its value.
+    """
+    scaling = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling!r} is not supported (none, linear)")
+    head_dim = _gguf_field(reader, f"{arch}.attention.key_length")
+    if head_dim is None:
+        head_dim = (_gguf_field(reader, f"{arch}.embedding_length")
+                    // _gguf_field(reader, f"{arch}.attention.head_count"))
+    rotary = _gguf_field(reader, f"{arch}.rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise ValueError(f"GGUF {arch}.rope.dimension_count={rotary} is not supported (RoPE over the whole "
+                         f"head, {head_dim})")
+    experts = _gguf_field(reader, f"{arch}.expert_count", 0)
+    if experts:
+        raise ValueError(f"GGUF {arch}.expert_count={experts} is not supported (dense models only)")
+    window = _gguf_field(reader, f"{arch}.attention.sliding_window", 0)
+    if window and arch != "gemma3":
+        raise ValueError(f"GGUF {arch}.attention.sliding_window={window} is not supported (full attention; "
+                         "windows for gemma3 only)")
 
 
 def _pack_int4(weights: dict[str, Int4Weight]) -> dict[str, torch.Tensor]:
