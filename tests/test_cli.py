@@ -136,3 +136,27 @@ def test_ctrl_c_exits_130_with_one_line_and_no_traceback(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_models", interrupted)
     assert cli.main(["models"]) == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_serve_refuses_to_start_without_the_cpp_ops(monkeypatch, capsys):
+    """A server never falls back to the torch references by itself (they are a test oracle,
+    many times slower); it says why the ops did not load, and how to serve anyway."""
+    from pagedllm.entrypoints import cli
+    from pagedllm.layers import ops
+
+    monkeypatch.delenv("PAGEDLLM_NATIVE_OPS", raising=False)
+    monkeypatch.setattr(ops, "native_ops_error", lambda: "pagedllm/_C_avx2.*.so is not built")
+    assert cli.main(["serve", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "C++ ops cannot be loaded: pagedllm/_C_avx2.*.so is not built" in err and "PAGEDLLM_NATIVE_OPS=0" in err
+
+
+def test_serve_runs_the_torch_path_when_asked(monkeypatch):
+    from pagedllm.entrypoints import cli
+    from pagedllm.layers import ops
+
+    monkeypatch.setenv("PAGEDLLM_NATIVE_OPS", "0")
+    assert ops.native_ops_error() is None
+    started = []
+    monkeypatch.setattr("pagedllm.entrypoints.openai.api_server.run_server", lambda args, kwargs: started.append(1) or 0)
+    assert cli.main(["serve", "--port", "1"]) == 0 and started == [1]

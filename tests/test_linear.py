@@ -148,10 +148,29 @@ def test_packing_is_chosen_by_cpu_vendor_and_dtype(vendor, dtype, packs, monkeyp
     from pagedllm.layers import linear as linear_module
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch has no oneDNN here")
+    if dtype == torch.bfloat16 and not linear_module._onednn_bf16_supported():
+        pytest.skip("oneDNN runs no bf16 on this CPU (test_bf16_is_never_packed_where_onednn_cannot_run_it)")
     monkeypatch.delenv("PAGEDLLM_PACK_WEIGHTS", raising=False)
     monkeypatch.setattr(linear_module, "_cpu_vendor", lambda: vendor)
     assert packing_available(dtype) is packs
     assert make_linear(dtype, bias=False).pack() is packs
+
+
+@pytest.mark.parametrize("shape", [(161, 96), (160, 100)])
+def test_bf16_is_never_packed_where_onednn_cannot_run_it(shape, monkeypatch):
+    """On a CPU without AVX512BW/VL/DQ or AVX_NE_CONVERT (an AVX2-only Zen 3) oneDNN's bf16
+    reorder raises; a bf16 layer the tiles cannot take then stays a plain ``torch.mm`` (CI
+    was red there). Patched here so that every CPU runs the branch."""
+    from pagedllm.layers import linear as linear_module
+    monkeypatch.delenv("PAGEDLLM_PACK_WEIGHTS", raising=False)
+    monkeypatch.setattr(linear_module, "_onednn_bf16_supported", lambda: False)
+    assert not packing_available(torch.bfloat16)
+    in_features, out_features = shape
+    linear = make_linear(torch.bfloat16, bias=True, in_features=in_features, out_features=out_features)
+    x = torch.randn(3, in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
+    expected = linear(x)
+    assert not linear.pack() and linear.packed is None and linear.blocked is None
+    assert torch.equal(linear(x), expected)
 
 
 def test_weights_move_to_one_arena_unchanged():

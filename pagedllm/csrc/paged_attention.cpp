@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -586,9 +587,21 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
+// setup.py defines both for each library it builds (pagedllm/cpu_isa.py).
+#ifndef PAGEDLLM_ISA
+#define PAGEDLLM_ISA "unknown"
+#endif
+#ifndef PAGEDLLM_SOURCES_SHA256
+#define PAGEDLLM_SOURCES_SHA256 "unknown"
+#endif
+
+// "<variant> <sha256 of the sources>": which build of the ops this is (pagedllm/layers/ops.py).
+std::string build_info() { return std::string(PAGEDLLM_ISA) + " " + PAGEDLLM_SOURCES_SHA256; }
+
 }  // namespace pagedllm
 
 TORCH_LIBRARY(pagedllm, m) {
+  m.def("build_info() -> str", &pagedllm::build_info);
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor context_lens, float scale, int sliding_window=0) -> Tensor",
         &pagedllm::paged_decode_attention);

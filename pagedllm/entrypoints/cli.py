@@ -84,6 +84,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the OpenAI API (one engine, or Ray Serve replicas).
+
+    Raises:
+        ValueError: a bad option, or the C++ ops cannot be loaded: a server never runs the
+            slow torch references unless ``PAGEDLLM_NATIVE_OPS=0`` asks for them.
+    """
+    from pagedllm.layers.ops import native_ops_error
+
+    error = native_ops_error()
+    if error is not None:
+        raise ValueError(f"pagedllm's C++ ops cannot be loaded: {error}. A server does not fall back to the "
+                         "slow torch path by itself; set PAGEDLLM_NATIVE_OPS=0 to serve with it anyway")
     if args.model_tag is not None:
         args.model = args.model_tag
     if args.replicas is not None or args.max_replicas is not None:
@@ -208,7 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        # Ctrl-C (while loading, building the C++ ops or generating) is a request, not a crash.
+        # Ctrl-C (while loading or generating) is a request, not a crash.
         print("interrupted", file=sys.stderr)
         return 130
 

@@ -39,8 +39,9 @@ from pagedllm.layers.ops import native_ops
 def packing_available(dtype: torch.dtype) -> bool:
     """Whether ``Linear.pack`` pre-packs ``dtype`` weights on this CPU.
 
-    bfloat16: always where torch has oneDNN (a plain bf16 ``torch.mm`` reorders the weight at
-    every call). float32: ``torch.mm`` is MKL's GEMM, which runs a generic path on CPUs that
+    bfloat16: where torch has oneDNN and oneDNN runs bf16 on this CPU (AVX512BW/VL/DQ or
+    AVX_NE_CONVERT; elsewhere, as on an AVX2-only Zen 3, ``_reorder_linear_weight`` raises) —
+    a plain bf16 ``torch.mm`` reorders the weight at every call. float32: ``torch.mm`` is MKL's GEMM, which runs a generic path on CPUs that
     are not Intel's (oneDNN was 2-2.4x faster from 16 rows up on an AMD EPYC); on Intel CPUs it
     stays MKL, the path the fp32 figures of an Ice Lake Xeon were measured with.
     ``PAGEDLLM_PACK_WEIGHTS=0`` turns packing off (and ``Linear.pack``'s bf16 tiles with it),
@@ -50,7 +51,15 @@ def packing_available(dtype: torch.dtype) -> bool:
     if setting == "0" or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn,
                                                                                  "_reorder_linear_weight"):
         return False
-    return dtype == torch.bfloat16 or setting == "1" or _cpu_vendor() != "GenuineIntel"
+    if dtype == torch.bfloat16:
+        return _onednn_bf16_supported()
+    return setting == "1" or _cpu_vendor() != "GenuineIntel"
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_bf16_supported() -> bool:
+    """Whether oneDNN's bf16 kernels run on this CPU (torch's own check)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @functools.lru_cache(maxsize=1)

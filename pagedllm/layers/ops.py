@@ -1,125 +1,104 @@
 """The C++ CPU ops (``pagedllm/csrc``) and their pure-torch references.
 
-``native_ops()`` builds ``paged_attention.cpp`` and ``fused_ops.cpp`` into one extension on
-first use. Every op here has a torch formulation that computes the same values (fp32 results
-agree up to summation order), used when the extension cannot be built and by the tests as the
-reference. The semantics mirror vLLM's ops of the same names (``csrc/layernorm_kernels.cu``,
-``pos_encoding_kernels.cu``, ``activation_kernels.cu``, ``cache_kernels.cu``); the arithmetic
-follows Hugging Face ``modeling_llama.py``.
+The ops are compiled when the package is built (``setup.py``), once per instruction-set
+variant of ``pagedllm/cpu_isa.py``; ``native_ops()`` loads the variant this CPU runs best (or
+the one ``PAGEDLLM_ISA`` names). Every op here has a torch formulation that computes the same
+values (fp32 results agree up to summation order): the reference the tests compare against,
+and the path ``PAGEDLLM_NATIVE_OPS=0`` asks for. The semantics mirror vLLM's ops of the same
+names (``csrc/layernorm_kernels.cu``, ``pos_encoding_kernels.cu``, ``activation_kernels.cu``,
+``cache_kernels.cu``); the arithmetic follows Hugging Face ``modeling_llama.py``.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from pagedllm import cpu_isa
 from pagedllm.config import KV_SCALE_BYTES
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp",
-                                        "quant_gemm.cpp", "w8a8.cpp", "w4a8.cpp",
-                                        "decoder_layer.cpp")]
-HEADERS = [CSRC / "cpu_vec.h", CSRC / "ops.h"]
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+CSRC = PACKAGE_DIR / "csrc"
+NATIVE_OPS_ENV = "PAGEDLLM_NATIVE_OPS"
 
 
-def cflags() -> list[str]:
-    """The compiler flags: ``-march=native`` unless ``PAGEDLLM_MARCH`` names another target
-    (the tests build ``x86-64-v3``, AVX2 without AVX-512, to run the portable code paths on a
-    CPU that has AVX-512)."""
-    return ["-O3", f"-march={os.environ.get('PAGEDLLM_MARCH', 'native')}", "-fopenmp"]
+class NativeOpsUnavailable(RuntimeError):
+    """The C++ ops cannot be loaded; the message says why and how to fix it."""
 
 
+def library_path(variant: cpu_isa.IsaVariant) -> Path:
+    """The built library of ``variant``, ``pagedllm/_C_<name>.<python ABI tag>.so``.
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (``/proc/cpuinfo``), or "" where they cannot be read."""
+    Raises:
+        NativeOpsUnavailable: it was not built (a checkout used without ``pip install``).
+    """
+    found = sorted(PACKAGE_DIR.glob(f"_C_{variant.name}.*so"))
+    if not found:
+        raise NativeOpsUnavailable(
+            f"pagedllm/_C_{variant.name}.*.so is not built; build the C++ ops with "
+            f"`pip install --no-build-isolation -e .` in the checkout, or run {NATIVE_OPS_ENV}=0 for the torch path")
+    return found[0]
+
+
+@functools.lru_cache(maxsize=1)
+def load_native_ops():
+    """Load the C++ ops built for this CPU and return ``torch.ops.pagedllm``.
+
+    One variant per process: every variant registers the same ``torch.ops.pagedllm``
+    names, so a process that loaded one cannot load another (the tests run each variant in a
+    subprocess).
+
+    Raises:
+        NativeOpsUnavailable: no variant runs on this CPU, ``PAGEDLLM_ISA`` names one it cannot
+            run, the library is missing, or it was built from other sources than
+            ``pagedllm/csrc`` (a checkout edited after its build).
+    """
     try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
+        variant = cpu_isa.select_variant()
+    except ValueError as exc:
+        raise NativeOpsUnavailable(str(exc)) from None
+    torch.ops.load_library(str(library_path(variant)))
+    built_isa, _, built_digest = torch.ops.pagedllm.build_info().partition(" ")
+    if CSRC.is_dir() and built_digest != cpu_isa.sources_digest(str(CSRC)):
+        raise NativeOpsUnavailable(
+            f"pagedllm's C++ ops ({built_isa}) were built from other sources than {CSRC}; rebuild them "
+            "with `pip install --no-build-isolation -e .`")
+    logger.info("C++ ops: the %s build", built_isa)
+    return torch.ops.pagedllm
 
 
-def build_directory() -> Path:
-    """Where the extension is built: one folder per (sources, headers, their folder, flags,
-    torch version, CPU flags) under torch's extension root (``$TORCH_EXTENSIONS_DIR``, default
-    ``~/.cache/torch_extensions``).
-
-    Two checkouts never rewrite each other's build files: ninja's build file names the sources
-    by absolute path, so two checkouts of the same sources sharing a folder would rebuild on
-    every switch (seen with several git worktrees: minutes of waiting on the build lock). A build
-    made with ``-march=native`` on one CPU is never loaded on a CPU that lacks its instructions
-    (a machine's disk can outlive its CPU model here).
-    """
-    from torch.utils import cpp_extension
-
-    digest = hashlib.sha256()
-    for path in SOURCES + HEADERS:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    digest.update(" ".join(cflags() + [torch.__version__, _cpu_flags(), str(SOURCES[0].parent.resolve())]).encode())
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
-    return root / f"pagedllm_ops_{digest.hexdigest()[:16]}"
-
-
-def _load_extension(directory: Path) -> None:
-    """Build (or only load) the extension in ``directory`` under an ``flock``.
-
-    torch guards a build with a ``lock`` file that stays behind when the building process is
-    killed, and every later ``load`` then waits on it forever. The ``flock`` is released by the
-    kernel when its holder dies, so a ``lock`` file found while holding it is such a leftover
-    and is removed. A process that finds another one building says so, then waits for it.
-    """
-    import fcntl
-
-    from torch.utils import cpp_extension
-
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "pagedllm.flock", "w") as guard:
-        try:
-            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.warning("another process is building pagedllm's C++ ops in %s; waiting for it", directory)
-            fcntl.flock(guard, fcntl.LOCK_EX)
-        stale = directory / "lock"
-        if stale.exists():
-            logger.warning("removing %s, left by a build that was interrupted", stale)
-            stale.unlink(missing_ok=True)
-        cpp_extension.load(name=directory.name, sources=[str(s) for s in SOURCES], extra_cflags=cflags(),
-                           extra_ldflags=["-fopenmp"], build_directory=str(directory),
-                           is_python_module=False, verbose=False)
+def native_ops_error() -> Optional[str]:
+    """Why the C++ ops cannot be used (None when they can, or when ``PAGEDLLM_NATIVE_OPS=0``
+    asked for the torch path)."""
+    if os.environ.get(NATIVE_OPS_ENV, "1") == "0":
+        return None
+    try:
+        load_native_ops()
+    except (NativeOpsUnavailable, OSError, RuntimeError) as exc:
+        return str(exc)
+    return None
 
 
 @functools.lru_cache(maxsize=1)
 def native_ops():
-    """The compiled ops (``torch.ops.pagedllm``), or None where they cannot be had.
-
-    Compiled on first use by ``torch.utils.cpp_extension`` (ninja + the system C++ compiler,
-    ``-O3 -march=native -fopenmp``) into ``build_directory()``, so later processes only load
-    it; an interrupted build never blocks a later one (``_load_extension``).
-    ``PAGEDLLM_NATIVE_OPS=0`` skips it. A failed build logs one warning and leaves the
-    pure-torch paths, which compute the same results more slowly.
-    """
-    if os.environ.get("PAGEDLLM_NATIVE_OPS", "1") == "0":
+    """The compiled ops (``torch.ops.pagedllm``), or None: with ``PAGEDLLM_NATIVE_OPS=0``, or
+    where they cannot be loaded (one warning says why; ``pagedllm serve`` refuses to start
+    then, see ``native_ops_error``)."""
+    if os.environ.get(NATIVE_OPS_ENV, "1") == "0":
         return None
-    try:
-        # pip installs ninja into the venv's bin, which is not on PATH unless it is activated.
-        venv_bin = str(Path(sys.executable).parent)
-        if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
-        _load_extension(build_directory())
-        return torch.ops.pagedllm
-    except Exception as exc:  # any build or load failure: the torch paths still work
-        logger.warning("C++ ops unavailable (%s: %s); using the pure-torch path",
-                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+    error = native_ops_error()
+    if error is not None:
+        logger.warning("C++ ops unavailable (%s); using the pure-torch path", error)
         return None
+    return load_native_ops()
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
