@@ -34,12 +34,25 @@ class BuildPerVariant(BuildExtension):
             self.build_temp = base
 
 
+def build_info_source(variant_name: str, digest: str) -> str:
+    """Writes (when its text changes) ``build/generated/build_info_<variant>.cpp``, defining
+    ``pagedllm::build_info()`` = "<variant> <sha256 of the sources>", and returns its path. A
+    file of its own rather than a -D flag: a flag that changes with every edit would recompile
+    every source of every variant."""
+    path = ROOT / "build" / "generated" / f"build_info_{variant_name}.cpp"
+    text = ('#include <string>\n\nnamespace pagedllm {\n'
+            f'std::string build_info() {{ return "{variant_name} {digest}"; }}\n}}  // namespace pagedllm\n')
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return str(path.relative_to(ROOT))
+
+
 sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
 digest = isa["sources_digest"](str(CSRC))
 extensions = [
-    CppExtension(f"pagedllm._C_{variant.name}", sources,
-                 extra_compile_args=["-O3", "-g0", "-fopenmp", *variant.cflags,
-                                     f'-DPAGEDLLM_ISA="{variant.name}"', f'-DPAGEDLLM_SOURCES_SHA256="{digest}"'],
+    CppExtension(f"pagedllm._C_{variant.name}", sources + [build_info_source(variant.name, digest)],
+                 extra_compile_args=["-O3", "-g0", "-fopenmp", *variant.cflags],
                  extra_link_args=["-fopenmp"])
     for variant in isa["built_variants"]()
 ]

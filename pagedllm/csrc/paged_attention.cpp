@@ -587,16 +587,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
-// setup.py defines both for each library it builds (pagedllm/cpu_isa.py).
-#ifndef PAGEDLLM_ISA
-#define PAGEDLLM_ISA "unknown"
-#endif
-#ifndef PAGEDLLM_SOURCES_SHA256
-#define PAGEDLLM_SOURCES_SHA256 "unknown"
-#endif
-
 // "<variant> <sha256 of the sources>": which build of the ops this is (pagedllm/layers/ops.py).
-std::string build_info() { return std::string(PAGEDLLM_ISA) + " " + PAGEDLLM_SOURCES_SHA256; }
+// Defined in build_info_<variant>.cpp, which setup.py writes for each library it builds.
+std::string build_info();
 
 }  // namespace pagedllm
 

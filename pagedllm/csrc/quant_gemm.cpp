@@ -53,35 +53,64 @@ void check_common(const at::Tensor& x, int64_t k, const std::optional<at::Tensor
   }
 }
 
+// The tiles below run on one vector width: 16 fp32 lanes with AVX-512, 8 with AVX2 + FMA
+// (the x86-64-v3 build; same loops, K stepped 8 at a time).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#define PAGEDLLM_QUANT_TILES 1
 #if defined(__AVX512F__)
-using namespace pagedllm_vec;
-
+using VecF = __m512;
+constexpr int64_t kLanes = 16;
+inline VecF vzero() { return _mm512_setzero_ps(); }
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VecF vset1(float v) { return _mm512_set1_ps(v); }
+inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(VecF a) { return _mm512_reduce_add_ps(a); }
 // 16 int8 weights at p as fp32.
-inline __m512 int8x16(const int8_t* p) {
+inline VecF int8_lanes(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+#else
+using VecF = __m256;
+constexpr int64_t kLanes = 8;
+inline VecF vzero() { return _mm256_setzero_ps(); }
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF vset1(float v) { return _mm256_set1_ps(v); }
+inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(VecF a) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+// 8 int8 weights at p as fp32.
+inline VecF int8_lanes(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
 
-// acc[r][j] += x[r, k0:k0+16] * w_j for every row r < R of the tile.
+// acc[r][j] += x[r, k0:k0+kLanes] * w_j for every row r < R of the tile.
 template <int R, int C>
-inline void fma_tile(__m512 (&acc)[kRowTile][kChannelTile], const float* x, int64_t k, int64_t k0,
-                     const __m512 (&w)[kChannelTile]) {
-  __m512 xr[kRowTile];
+inline void fma_tile(VecF (&acc)[kRowTile][kChannelTile], const float* x, int64_t k, int64_t k0,
+                     const VecF (&w)[kChannelTile]) {
+  VecF xr[kRowTile];
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) xr[r] = _mm512_loadu_ps(x + r * k + k0);
+  for (int r = 0; r < R; ++r) xr[r] = vload(x + r * k + k0);
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int j = 0; j < C; ++j) acc[r][j] = _mm512_fmadd_ps(xr[r], w[j], acc[r][j]);
+    for (int j = 0; j < C; ++j) acc[r][j] = vfma(xr[r], w[j], acc[r][j]);
   }
 }
 
 // y[r, n0 + j] = scale_j * sum(acc[r][j]) + bias for the tile's R rows and C channels.
 template <int R, int C>
-inline void store_tile(float* y, int64_t n, int64_t n0, const __m512 (&acc)[kRowTile][kChannelTile],
+inline void store_tile(float* y, int64_t n, int64_t n0, const VecF (&acc)[kRowTile][kChannelTile],
                        const float* scales, const float* bias) {
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < C; ++j) {
-      float v = _mm512_reduce_add_ps(acc[r][j]);
+      float v = vsum(acc[r][j]);
       if (scales != nullptr) v *= scales[n0 + j];
       if (bias != nullptr) v += bias[n0 + j];
       y[r * n + n0 + j] = v;
@@ -95,17 +124,17 @@ template <int R, int C, bool Grouped>
 void int8_tile(const float* x, const int8_t* q, const float* scales, const float* bias, float* y, int64_t k,
                int64_t n, int64_t n0) {
   const int64_t groups = k / kGroup;
-  __m512 acc[kRowTile][kChannelTile];
+  VecF acc[kRowTile][kChannelTile];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < C; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < k; k0 += 16) {
-    __m512 w[kChannelTile];
+    for (int j = 0; j < C; ++j) acc[r][j] = vzero();
+  for (int64_t k0 = 0; k0 < k; k0 += kLanes) {
+    VecF w[kChannelTile];
 #pragma GCC unroll 4
     for (int j = 0; j < C; ++j) {
       // A later channel tile's rows (prefetch never faults past the end).
       _mm_prefetch(reinterpret_cast<const char*>(q + (n0 + kPrefetchTiles * C + j) * k + k0), _MM_HINT_T0);
-      w[j] = int8x16(q + (n0 + j) * k + k0);
-      if constexpr (Grouped) w[j] = _mm512_mul_ps(w[j], _mm512_set1_ps(scales[(n0 + j) * groups + k0 / kGroup]));
+      w[j] = int8_lanes(q + (n0 + j) * k + k0);
+      if constexpr (Grouped) w[j] = vmul(w[j], vset1(scales[(n0 + j) * groups + k0 / kGroup]));
     }
     fma_tile<R, C>(acc, x, k, k0, w);
   }
@@ -116,9 +145,10 @@ template <int R, int C>
 void int4_tile(const float* x, const uint8_t* q, const float* scales, const float* mins, const float* bias,
                float* y, int64_t k, int64_t n, int64_t n0) {
   const int64_t groups = k / kGroup;
-  __m512 acc[kRowTile][kChannelTile];
+  VecF acc[kRowTile][kChannelTile];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < C; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < C; ++j) acc[r][j] = vzero();
+#if defined(__AVX512F__)
   const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t g = 0; g < groups; ++g) {
     __m512 lo[kChannelTile], hi[kChannelTile];
@@ -139,6 +169,29 @@ void int4_tile(const float* x, const uint8_t* q, const float* scales, const floa
     fma_tile<R, C>(acc, x, k, g * kGroup, lo);
     fma_tile<R, C>(acc, x, k, g * kGroup + 16, hi);
   }
+#else
+  // 8 lanes: the group's 16 bytes in two halves of 8, each giving 8 low-nibble weights (inputs
+  // h..h+7 of the group) and 8 high-nibble ones (inputs 16+h..); fma(code, scale, min) rounds
+  // once, as the AVX-512 table does.
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t h = 0; h < kGroup / 2; h += kLanes) {
+      VecF lo[kChannelTile], hi[kChannelTile];
+#pragma GCC unroll 4
+      for (int j = 0; j < C; ++j) {
+        const int64_t row = n0 + j;
+        const uint8_t* bytes_at = q + row * (k / 2) + g * (kGroup / 2) + h;
+        _mm_prefetch(reinterpret_cast<const char*>(bytes_at + kPrefetchTiles * C * (k / 2)), _MM_HINT_T0);
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes_at)));
+        const VecF scale = vset1(scales[row * groups + g]), min = vset1(mins[row * groups + g]);
+        lo[j] = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, low4)), scale, min);
+        hi[j] = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), scale, min);
+      }
+      fma_tile<R, C>(acc, x, k, g * kGroup + h, lo);
+      fma_tile<R, C>(acc, x, k, g * kGroup + 16 + h, hi);
+    }
+  }
+#endif
   store_tile<R, C>(y, n, n0, acc, nullptr, bias);
 }
 
@@ -181,7 +234,7 @@ void for_each_tile(int64_t m, int64_t n, bool one_channel_rows, Tile&& tile) {
     case 3: CALL(3, C); break;                     \
     default: CALL(4, C); break;                    \
   }
-#endif  // __AVX512F__
+#endif  // PAGEDLLM_QUANT_TILES
 
 // ---- bf16 weights in 32-channel tiles (layers/linear.py Linear.pack, bf16 compute) ----
 //
@@ -193,7 +246,8 @@ void for_each_tile(int64_t m, int64_t n, bool one_channel_rows, Tile&& tile) {
 // broadcast of x's pair against two vectors, accumulated per channel with no horizontal sums,
 // for one row (decode) or 12 (prefill) alike: the pair-interleaved ("VNNI") layout that bf16
 // dot-product instructions want. On AVX512_BF16 each pair is one VDPBF16PS; elsewhere (or with
-// `portable`) both halves are widened to fp32 and multiplied by two FMAs.
+// `portable`) both halves are widened to fp32 and multiplied by two FMAs, 16 lanes at a time
+// with AVX-512 and 8 with AVX2 (CPUs without bf16 units keep bf16 weights at half the bytes).
 constexpr int64_t kBf16Tile = 32;    // output channels per tile: two vectors of 16
 constexpr int64_t kBf16MaxRows = 12; // rows of x per register tile: 24 accumulators
 constexpr int64_t kBf16RowBlock = 120;  // rows whose x stays in L2 while the weights stream by
@@ -262,6 +316,56 @@ void bf16_tile_rows(const c10::BFloat16* x, int64_t rows, int64_t k, const c10::
     default: break;
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 (the x86-64-v3 build): the portable path above on 256-bit registers, a pair's 32
+// channels in four vectors of 8, up to 2 rows at a time (8 accumulators): the same FMAs in the
+// same order per channel, so the same bits as AVX-512's `portable` path.
+constexpr int64_t kBf16Avx2Rows = 2;
+
+template <int R, typename TOut>
+inline void bf16_rows_avx2(const c10::BFloat16* x, int64_t k, const c10::BFloat16* tile, TOut* y, int64_t n,
+                           int64_t n0, const c10::BFloat16* bias) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(x);  // x[r, 2p : 2p + 2] = pairs[r * k / 2 + p]
+  const int64_t half = k / 2;
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t p = 0; p < half; ++p) {
+    __m256 xe[R], xo[R];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      const __m256i xb = _mm256_set1_epi32(pairs[r * half + p]);
+      xe[r] = _mm256_castsi256_ps(_mm256_slli_epi32(xb, 16));
+      xo[r] = _mm256_castsi256_ps(_mm256_and_si256(xb, high));
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + p * 2 * kBf16Tile + 16 * v));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(xo[r], wo, _mm256_fmadd_ps(xe[r], we, acc[r][v]));
+    }
+  }
+  const int64_t live = std::min<int64_t>(kBf16Tile, n - n0);
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[kBf16Tile];
+    for (int v = 0; v < 4; ++v) _mm256_store_ps(out + 8 * v, acc[r][v]);
+    for (int64_t c = 0; c < live; ++c) {
+      y[r * n + n0 + c] = static_cast<TOut>(out[c] + (bias != nullptr ? static_cast<float>(bias[n0 + c]) : 0.f));
+    }
+  }
+}
+
+template <typename TOut>
+void bf16_tile_rows_avx2(const c10::BFloat16* x, int64_t rows, int64_t k, const c10::BFloat16* tile, TOut* y,
+                         int64_t n, int64_t n0, const c10::BFloat16* bias) {
+  int64_t r = 0;
+  for (; r + kBf16Avx2Rows <= rows; r += kBf16Avx2Rows)
+    bf16_rows_avx2<kBf16Avx2Rows>(x + r * k, k, tile, y + r * n, n, n0, bias);
+  if (r < rows) bf16_rows_avx2<1>(x + r * k, k, tile, y + r * n, n, n0, bias);
+}
 #endif  // __AVX512F__
 
 // y [M, N] = x [M, K] bf16 @ W.T (+ bias [N] bf16), W in the tiled layout above
@@ -299,6 +403,9 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight, const s
 #if defined(__AVX512F__)
           if (portable) bf16_tile_rows<false>(xp + row0 * k, rows, k, tile, yp + row0 * n, n, t * kBf16Tile, bp);
           else bf16_tile_rows<true>(xp + row0 * k, rows, k, tile, yp + row0 * n, n, t * kBf16Tile, bp);
+#elif defined(__AVX2__) && defined(__FMA__)
+          (void)portable;
+          bf16_tile_rows_avx2(xp + row0 * k, rows, k, tile, yp + row0 * n, n, t * kBf16Tile, bp);
 #else
           (void)portable;
           for (int64_t r = row0; r < row0 + rows; ++r) {
@@ -345,7 +452,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const float* sp = scales.data_ptr<float>();
   const float* bp = optional_ptr(bias);
   float* yp = y.data_ptr<float>();
-#if defined(__AVX512F__)
+#if defined(PAGEDLLM_QUANT_TILES)
   for_each_tile(m, n, true, [&](auto channels, int64_t rows, int64_t row0, int64_t n0) {
     constexpr int C = decltype(channels)::value;
 #define CALL(R, C)                                                                    \
@@ -390,7 +497,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const float* mp = mins.data_ptr<float>();
   const float* bp = optional_ptr(bias);
   float* yp = y.data_ptr<float>();
-#if defined(__AVX512F__)
+#if defined(PAGEDLLM_QUANT_TILES)
   for_each_tile(m, n, false, [&](auto channels, int64_t rows, int64_t row0, int64_t n0) {
     constexpr int C = decltype(channels)::value;
 #define CALL(R, C) int4_tile<R, C>(xp + row0 * k, qp, sp, mp, bp, yp + row0 * n, k, n, n0)

@@ -37,7 +37,7 @@
 // does not depend on the other rows (decode, prefill and mixed steps alike). Without
 // AVX512_VNNI (or with `portable`) the dot product is VPMADDUBSW + VPMADDWD, whose int16 pair
 // sums cannot saturate here (2 * 15 * 127 < 32767): the same int32 sums, so the same bits.
-// Without AVX512BW a scalar loop computes the same formula.
+// Without AVX512BW the same on AVX2's 256-bit registers; without AVX2 a scalar loop.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -50,6 +50,10 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_vec.h"
 #include "ops.h"
@@ -211,6 +215,82 @@ void tile_all_rows(const int8_t* q, const float* s, const float* sum, int64_t ro
     default: break;
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 (the x86-64-v3 build): the same VPMADDUBSW + VPMADDWD dot products and FMAs on the two
+// 32-byte halves of each 64-byte step (channels 0-7 and 8-15), up to 4 rows at a time: the
+// same int32 sums and the same fp32 roundings, lane for lane.
+template <int Bits, int R, typename T>
+inline void tile_rows_avx2(const int8_t* q, const float* s, const float* sum, int64_t k, const uint8_t* tile, T* y,
+                           int64_t n, const float* bias) {
+  const int64_t groups = k / kGroup;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  auto dot4 = [&](__m256i codes, __m256i x) { return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones); };
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = tile + g * kGroupBytes<Bits>;
+    const int8_t* qg = q + g * kGroup;
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int j = 0; j < (Bits == 4 ? 4 : 8); ++j) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(qg + r * k + 4 * j));
+          if constexpr (Bits == 4) {
+            // low nibbles: inputs 4j .. 4j + 3; high nibbles: inputs 16 + 4j ..
+            const __m256i x_hi = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(qg + r * k + 16 + 4 * j));
+            dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_add_epi32(dot4(lo, x), dot4(hi, x_hi)));
+          } else {
+            // u = 16 hi + lo (nibbles, so the int16 pair sums cannot saturate).
+            dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_add_epi32(dot4(lo, x), _mm256_slli_epi32(dot4(hi, x), 4)));
+          }
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256 d, m;
+      if constexpr (Bits == 4) {
+        d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 256 + 16 * h)));
+        m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 288 + 16 * h)));
+      } else {
+        d = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 512 + 32 * h));
+        m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
+      }
+      for (int r = 0; r < R; ++r) {
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(s[r * groups + g])),
+                                    acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sum[r * groups + g]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[kTile];
+    _mm256_store_ps(out, acc[r][0]);
+    _mm256_store_ps(out + 8, acc[r][1]);
+    for (int64_t ch = 0; ch < kTile; ++ch) y[r * n + ch] = static_cast<T>(out[ch] + (bias != nullptr ? bias[ch] : 0.f));
+  }
+}
+
+template <int Bits, typename T>
+void tile_all_rows_avx2(const int8_t* q, const float* s, const float* sum, int64_t rows, int64_t k,
+                        const uint8_t* tile, T* y, int64_t n, const float* bias) {
+  const int64_t groups = k / kGroup;
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    tile_rows_avx2<Bits, 4>(q + r * k, s + r * groups, sum + r * groups, k, tile, y + r * n, n, bias);
+  switch (rows - r) {
+#define CASE(R) \
+  case R: tile_rows_avx2<Bits, R>(q + r * k, s + r * groups, sum + r * groups, k, tile, y + r * n, n, bias); break;
+    CASE(1) CASE(2) CASE(3)
+#undef CASE
+    default: break;
+  }
+}
 #else
 // The same formula one lane at a time (std::fma rounds as the vector FMA does).
 template <int Bits, typename T>
@@ -285,6 +365,9 @@ at::Tensor w4a8_linear_impl(const at::Tensor& x, const at::Tensor& weight, const
 #if defined(__AVX512BW__)
         if (portable) tile_all_rows<Bits, false>(qp + row0 * k, sp + row0 * groups, sump + row0 * groups, rows, k, tile, out, n, tile_bias);
         else tile_all_rows<Bits, true>(qp + row0 * k, sp + row0 * groups, sump + row0 * groups, rows, k, tile, out, n, tile_bias);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+        (void)portable;
+        tile_all_rows_avx2<Bits>(qp + row0 * k, sp + row0 * groups, sump + row0 * groups, rows, k, tile, out, n, tile_bias);
 #else
         (void)portable;
         tile_all_rows_scalar<Bits>(qp + row0 * k, sp + row0 * groups, sump + row0 * groups, rows, k, tile, out, n, tile_bias);
