@@ -6,9 +6,9 @@ cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # torch==2.13.0 is pinned in pyproject.toml: pip takes the CPU build that lies on this disk.
-# The build needs it too (setup.py compiles the C++ ops against it, once per ISA variant, about
-# 2 min on 2 cores): install the build requirements first and build in this venv, rather than
-# copying torch into an isolated build environment.
+# The build needs it too: setup.py compiles the C++ ops against it, once per ISA variant (about
+# 4 min on an idle 2-core machine). Install the build requirements first and build in this venv
+# rather than copying torch into an isolated build environment.
 .venv/bin/pip install --quiet --disable-pip-version-check setuptools==84.2.1 torch==2.13.0 ninja==1.13.2
 # The ray extra (Ray Serve, for `pagedllm serve --replicas N`) is installed too: its tests run in CI.
 .venv/bin/pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test,ray]"

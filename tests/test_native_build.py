@@ -45,6 +45,19 @@ def test_pagedllm_isa_forces_a_lower_variant_and_refuses_what_the_cpu_lacks(monk
         cpu_isa.select_variant(frozenset({"sse2", "avx"}), "")
 
 
+def test_a_pagedllm_isa_the_cpu_cannot_run_is_an_error_not_the_torch_path(monkeypatch):
+    """A variant asked for by name (a typo, or one this CPU lacks) never turns into the many
+    times slower torch references with only a log line."""
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx512_bf17")
+    native_ops.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="'avx512_bf17' names no variant"):
+            native_ops()
+    finally:
+        monkeypatch.delenv(cpu_isa.ISA_ENV)
+        native_ops.cache_clear()
+
+
 def test_the_loaded_library_is_the_chosen_variant_built_from_these_sources():
     ops = native_ops()
     if ops is None:

@@ -91,9 +91,16 @@ def native_ops_error() -> Optional[str]:
 def native_ops():
     """The compiled ops (``torch.ops.pagedllm``), or None: with ``PAGEDLLM_NATIVE_OPS=0``, or
     where they cannot be loaded (one warning says why; ``pagedllm serve`` refuses to start
-    then, see ``native_ops_error``)."""
+    then, see ``native_ops_error``).
+
+    Raises:
+        ValueError: ``PAGEDLLM_ISA`` names no variant, or one this CPU cannot run: a variant
+            asked for by name is never replaced by the torch path without a word.
+    """
     if os.environ.get(NATIVE_OPS_ENV, "1") == "0":
         return None
+    if os.environ.get(cpu_isa.ISA_ENV):
+        cpu_isa.select_variant()
     error = native_ops_error()
     if error is not None:
         logger.warning("C++ ops unavailable (%s); using the pure-torch path", error)
