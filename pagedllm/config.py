@@ -90,7 +90,7 @@ class EngineArgs:
     tensor_parallel_size: int = _option(
         1, "processes that each run 1/N of every layer (Megatron split: heads and MLP rows) and of "
            "the KV cache, joined by gloo all-reduces; one per socket or core group. The model's "
-           "attention heads must divide by it; see README 'Tensor parallelism'")
+           "attention heads must divide by it; see docs/tensor-parallel.md")
     tp_cores: Optional[str] = _option(
         None, "the CPUs of each tensor-parallel rank, ';'-separated Linux CPU lists, e.g. "
               "'0-15;16-31' (rank 0 first); each rank pins its threads there and runs as many "
@@ -125,7 +125,7 @@ class EngineArgs:
                 "what decode attention reads; K/V are rounded to bf16 when written, all "
                 "arithmetic stays fp32. int8 holds each token's K/V row per KV head as int8 codes "
                 "and one fp32 scale: 1.9x the tokens of bfloat16 (head_dim 64), at a small "
-                "perplexity cost (README). float32 under bfloat16 compute is refused",
+                "perplexity cost (docs/models-and-quantization.md). float32 under bfloat16 compute is refused",
         choices=tuple(_KV_CACHE_DTYPES))
 
     @classmethod

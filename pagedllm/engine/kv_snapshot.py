@@ -150,7 +150,7 @@ class KVCacheSnapshot:
     events: tuple[SharingEvent, ...]
 
     def to_dict(self) -> dict:
-        """The JSON form served at ``/debug/kv`` (documented in the README)."""
+        """The JSON form served at ``/debug/kv`` (documented in docs/dashboard.md)."""
         counters = dict(vars(self.counters))  # not asdict(): it deep-copies every table entry
         counters.update(kv_cache_usage=self.counters.kv_cache_usage,
                         prefix_cache_hit_rate=self.counters.prefix_cache_hit_rate)

@@ -121,7 +121,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-keys-file", default=None, metavar="PATH",
                        help="JSON list of keys with names and limits: name, key, requests_per_minute, "
                             "tokens_per_minute, max_concurrent_requests, priority (default: the same JSON "
-                            "in $PAGEDLLM_API_KEYS; see the README)")
+                            "in $PAGEDLLM_API_KEYS; see docs/serving.md)")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use; the first is reported (default: the model path)")
     group.add_argument("--max-waiting-requests", type=int, default=None,
