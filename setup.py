@@ -6,7 +6,6 @@ After editing ``pagedllm/csrc`` in a checkout, rebuild in place:
 ``.venv/bin/pip install --no-build-isolation -e .`` (or ``python setup.py build_ext --inplace``).
 """
 
-import os
 import runpy
 from pathlib import Path
 
