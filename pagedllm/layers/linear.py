@@ -42,8 +42,9 @@ def packing_available(dtype: torch.dtype) -> bool:
     bfloat16: where torch has oneDNN and oneDNN runs bf16 on this CPU (AVX512BW/VL/DQ or
     AVX_NE_CONVERT; elsewhere, as on an AVX2-only Zen 3, ``_reorder_linear_weight`` raises);
     a plain bf16 ``torch.mm`` reorders the weight at every call. float32: ``torch.mm`` is
-    MKL's GEMM, which runs a generic path on CPUs that are not Intel's (oneDNN was 2-2.4x faster from 16 rows up on an AMD EPYC); on Intel CPUs it
-    stays MKL, the path the fp32 figures of an Ice Lake Xeon were measured with.
+    MKL's GEMM, which runs a generic path on CPUs that are not Intel's (oneDNN was 2-2.4x
+    faster from 16 rows up on an AMD EPYC); on Intel CPUs it stays MKL, the path the fp32
+    figures of an Ice Lake Xeon were measured with.
     ``PAGEDLLM_PACK_WEIGHTS=0`` turns packing off (and ``Linear.pack``'s bf16 tiles with it),
     ``=1`` forces it on for float32 as well.
     """
