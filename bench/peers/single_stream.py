@@ -1,7 +1,7 @@
 """Single-stream decode, pagedllm (unquantized, int8, int4, w8a8, w4a8) against llama.cpp on a bf16 GGUF of
 the same weights, each run in a fresh process, alternated ``--repeats`` times.
 
-    /work/venv/bin/python bench/peers/single_stream.py [--repeats 2] [--model NAME] [--llama-venv V]
+    .venv/bin/python bench/peers/single_stream.py [--repeats 2] [--model NAME] [--llama-venv V]
         [--gguf F [F ...]] [--configs none int8 int4 int4:bf16kv w4a8:int8kv ...]
 
 Prompt: the first 256 tokens of the shipped text (pagedllm's tokenizer), 128 new tokens,
