@@ -41,7 +41,7 @@ def run(checkout: Path, variant: str, config: str, dtype: str) -> float:
     env = dict(os.environ, PAGEDLLM_ISA=variant, PYTHONPATH=str(checkout))
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "isa_variants.py"), "--worker", config, dtype],
                          capture_output=True, text=True, env=env, cwd=checkout, timeout=1800)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((text for text in out.stdout.splitlines() if text.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"{variant} {config} failed: {out.stderr[-2000:]}")
     result = json.loads(line[7:])

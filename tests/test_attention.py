@@ -292,7 +292,7 @@ def test_mixed_batch_of_decodes_and_prefill_chunks(kernel):
     blocks = torch.randperm(NUM_BLOCKS, generator=g)
     # (context already in the cache, new tokens, block table)
     seqs = [(40, 1, blocks[0:3]), (5, 1, blocks[3:4]), (0, 20, blocks[4:6]), (33, 12, blocks[6:9])]
-    rows, slots, prefills, queries = 0, [], [], []
+    rows, slots, prefills = 0, [], []
     for num_cached, num_new, table in seqs:
         end = num_cached + num_new
         slots += [int(table[p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(num_cached, end)]

@@ -19,7 +19,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker import model_runner
 from tests.conftest import make_tiny_engine, run_to_completion
-from tests.test_server import InThreadServer, idle, scrape, slowed, sse_events, wait_for_metrics
+from tests.test_server import InThreadServer, idle, slowed, sse_events, wait_for_metrics
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 ERROR = 'pagedllm:request_success_total{finished_reason="error"}'

@@ -11,7 +11,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from pagedllm import cpu_isa
 from pagedllm.layers import ops as ops_module

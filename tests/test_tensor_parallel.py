@@ -24,7 +24,7 @@ from pagedllm.layers.quantization import quantize_int4
 from pagedllm.models.loader import build_model
 from pagedllm.models.sharding import TensorParallelShard
 from pagedllm.worker.tp_worker import rank_cpus
-from tests.conftest import TINY_VOCAB, run_to_completion, tiny_config, tiny_state_dict
+from tests.conftest import TINY_VOCAB, tiny_config, tiny_state_dict
 
 # 24 blocks of 4 tokens and 16-token steps: chunked prefill and preemption happen.
 ENGINE_KWARGS = dict(dtype="float32", block_size=4, num_gpu_blocks_override=24, max_model_len=96,

@@ -186,7 +186,7 @@ def main() -> int:
         "vllm": ([str(venv / "bin" / "python"), str(HERE / "vllm_throughput.py"), "--model", args.model_dir,
                   "--workload", str(workload_path), "--dtype", args.dtype], vllm_env(venv)),
     }
-    print(f"vllm env: " + " ".join(f"{k}={commands['vllm'][1][k]}" for k in
+    print("vllm env: " + " ".join(f"{k}={commands['vllm'][1][k]}" for k in
                                    ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")),
           flush=True)
     runs: dict[str, list[dict]] = {"pagedllm": [], "vllm": []}

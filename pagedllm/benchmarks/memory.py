@@ -25,7 +25,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
 from pagedllm.benchmarks.throughput import TEXT_PATH, BenchRequest, build_workload
 from pagedllm.config import EngineArgs
@@ -33,7 +33,6 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.utils import cdiv
 
 
 @dataclass

@@ -9,7 +9,6 @@ its first ``ACCURACY_TOKENS`` tokens are the perplexity set, the calibration sta
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch import nn

@@ -32,10 +32,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pagedllm.config import EngineArgs
+from pagedllm.serve_ray.options import APP_NAME, ENGINE_DEPLOYMENT, ROUTER_CLASS, ReplicaPlan
 
 logger = logging.getLogger(__name__)
-
-from pagedllm.serve_ray.options import APP_NAME, ENGINE_DEPLOYMENT, ROUTER_CLASS, ReplicaPlan
 
 
 def build_application(args: argparse.Namespace, cores: Optional[int] = None) -> Any:

@@ -95,11 +95,11 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def _overloaded(self, load: tuple[int, int, float], loads: list[tuple[int, int, float]]) -> bool:
         in_flight, waiting, kv_usage = load
-        if in_flight - min(l[0] for l in loads) > self.max_imbalance:
+        if in_flight - min(other[0] for other in loads) > self.max_imbalance:
             return True
-        if waiting - min(l[1] for l in loads) > self.max_imbalance:
+        if waiting - min(other[1] for other in loads) > self.max_imbalance:
             return True
-        return kv_usage >= self.kv_usage_limit and any(l[2] < self.kv_usage_limit for l in loads)
+        return kv_usage >= self.kv_usage_limit and any(other[2] < self.kv_usage_limit for other in loads)
 
     # ------------------------------------------------------------------------------ Serve hooks
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
