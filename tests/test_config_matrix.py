@@ -190,7 +190,7 @@ def test_smollm2_every_configuration(dtype, quantization, smollm2_weights, smoll
     int8 ~0.15), w8a8 / w4a8 within 0.5 (every activation is rounded to int8, and over an int8
     cache the query too; measured up to 0.32 in fp32 and 0.45 in bf16 with the int8 cache, on a
     prompt of 5 tokens, where one token moves the mean by ~0.2; their perplexity over 2,048
-    tokens is in test_quantization.py and the README); native equals torch up to near-ties."""
+    tokens is in test_quantization.py and docs/models-and-quantization.md); native equals torch up to near-ties."""
     config, state_dict, prequantized, tokenizer, prompts = smollm2_weights
     expected, reference_logprobs = smollm2_reference
     torch_dtype = DTYPES[dtype]

@@ -7,7 +7,7 @@ to ``STEP_SECONDS`` so that requests stay in flight) runs streaming requests: th
 copy-on-write), one more runs and one waits for a seat. The page's own state
 (``window.__pagedllm``, counted while it draws the grid) must equal ``/debug/kv`` at the same
 snapshot version; clicking a request must highlight exactly its block table; a synthetic
-20,000-block pool must draw quickly. The screenshot is ``docs/dashboard.png`` (in the README).
+20,000-block pool must draw quickly. The screenshot is ``docs/dashboard.png`` (in docs/dashboard.md).
 
 Skipped only where chromium or Playwright is missing and ``CI`` is not ``true``.
 """
@@ -44,7 +44,7 @@ STEP_SECONDS = 0.3
 BLOCK_SIZE = 8
 NUM_BLOCKS = 384
 PREFIX = list(range(1000, 1060))  # 60 tokens: 7 full blocks of 8
-# The README's picture is refreshed only on request (PAGEDLLM_UPDATE_SCREENSHOT=1): request ids
+# The docs' picture is refreshed only on request (PAGEDLLM_UPDATE_SCREENSHOT=1): request ids
 # are random, so writing it on every run would leave the tree modified.
 SCREENSHOT = REPO_ROOT / "docs" / "dashboard.png"
 

@@ -9,7 +9,7 @@ products with per-token scales), the recomputed KV and every later logit are bit
 the run without preemption, so seeded sampling draws the same tokens. fp32 unquantized (torch's
 GEMM sums in an order that depends on the batch's row count) and the weight-only int8 / int4
 kernels (a kernel for decode-size batches, dequantize-and-GEMM for a prefill) are close, not
-exact; the README says so.
+exact; docs/sampling.md says so.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def test_4bit_tp2_equals_tp1(quantization):
     """Row-parallel layers split their input along whole groups of 32, so every rank rounds
     w4a8's activations exactly as one rank does; only the fp32 partial sums' order differs.
     That order can still tip a near-tie further on (a user saw 2 of 13 Qwen2.5-Coder prompts
-    diverge at about token 11, README "Tensor parallelism"); these prompts have none."""
+    diverge at about token 11, docs/tensor-parallel.md); these prompts have none."""
     requests = [(str(i), prompt, SamplingParams(max_tokens=10, **GREEDY))
                 for i, prompt in enumerate(prompts(3, (7, 19)))]
     expected = run(tp1_engine(quantization), requests)
