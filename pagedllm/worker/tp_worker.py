@@ -298,6 +298,7 @@ def _worker_main(rank: int, port: int, args: EngineArgs, checkpoint: Optional[tu
     """A worker's life: say it started (``started``, a pipe's sending end), pin, join, build the
     shard, allocate the KV cache, then compute every step rank 0 broadcasts until it says shut
     down. Exits with an error when rank 0 is gone."""
+    from pagedllm.models.dummy import load_dummy_checkpoint
     from pagedllm.models.loader import build_model, load_checkpoint, load_prequantized_int4, resolve_model_path
 
     started.send(True)
@@ -309,7 +310,9 @@ def _worker_main(rank: int, port: int, args: EngineArgs, checkpoint: Optional[tu
                                                 lambda: os.getppid() == parent_pid)
     try:
         prequantized = None
-        if checkpoint is None:
+        if checkpoint is None and args.load_format == "dummy":
+            config, state_dict = load_dummy_checkpoint(args.model, args.torch_dtype, args.seed)
+        elif checkpoint is None:
             path = resolve_model_path(args.model)
             config, state_dict = load_checkpoint(path)
             if args.quantization in ("int4", "w4a8"):
