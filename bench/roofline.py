@@ -1,0 +1,117 @@
+"""The physical limits of this CPU and how close pagedllm comes to them.
+
+    python bench/roofline.py --config bench/configs/Llama-3.1-8B-Instruct.json [--quantization int4]
+    python bench/roofline.py --config bench/configs/tiny-llama.json --context 512 --buffer-mib 128 \\
+        --gemm 512 1024 1024 --repeats 3   # the smoke run
+
+1. Memory bandwidth: ``dst.copy_(src)`` of two ``--buffer-mib`` buffers (bytes read + written)
+   and ``src.sum()`` (bytes read), best of ``--repeats``, torch's threads.
+2. Peak GEMM rate: ``torch.mm`` of ``[m, k] x [k, n]`` (default 2048 x 4096 x 4096) in fp32 and
+   bf16 (oneDNN), and int8 x int8 -> int32 (``torch._int_mm``), best of ``--repeats``.
+3. The model of ``--config`` (``load_format="dummy"``, see bench/scale.py), one request alone:
+   - decode at ``--context`` tokens: the bound is the bytes one step reads (the decoder
+     layers' and LM head's weights, as built: quantized ones at their size; plus the KV of the
+     context) over the read bandwidth; reported as measured rate / bound rate;
+   - prefill of ``--context`` tokens: its FLOPs (2 per weight of the decoder projections per
+     token, attention's ``4 * heads * head_dim`` per token pair of the causal half, the LM head
+     once) over the time to first token, as a fraction of the GEMM peak of the compute dtype
+     (int8 for w8a8/w4a8, whose products are int8).
+
+Figures are for the machine as it is while the script runs: on a shared machine they are
+lower bounds of what it can do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import torch
+
+from pagedllm.layers.quantization import weight_bytes
+from pagedllm.models.dummy import hf_weight_shapes
+
+import scale  # bench/scale.py, beside this file
+
+
+def _best_time(run, repeats: int) -> float:
+    run()  # warm-up (page faults, oneDNN primitive creation)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def memory_bandwidth(buffer_mib: int, repeats: int) -> dict:
+    """``{"copy": bytes/s (read + written), "read": bytes/s}``."""
+    elements = buffer_mib * 2**20 // 4
+    src, dst = torch.rand(elements), torch.empty(elements)
+    copy = _best_time(lambda: dst.copy_(src), repeats)
+    read = _best_time(lambda: src.sum(), repeats)
+    return {"copy": 2 * src.nbytes / copy, "read": src.nbytes / read}
+
+
+def gemm_peaks(m: int, n: int, k: int, repeats: int) -> dict:
+    """FLOP/s (2 per multiply-add) of ``torch.mm`` by dtype: float32, bfloat16, int8."""
+    flops = 2 * m * n * k
+    peaks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.rand(m, k).to(dtype), torch.rand(k, n).to(dtype)
+        peaks[str(dtype).replace("torch.", "")] = flops / _best_time(lambda: torch.mm(a, b), repeats)
+    a8 = torch.randint(-128, 128, (m, k), dtype=torch.int8)
+    b8 = torch.randint(-128, 128, (k, n), dtype=torch.int8)
+    peaks["int8"] = flops / _best_time(lambda: torch._int_mm(a8, b8), repeats)
+    return peaks
+
+
+def model_fractions(args: argparse.Namespace, bandwidth: float, peaks: dict) -> dict:
+    """Decode and prefill of one ``--context``-token request against the bounds."""
+    llm = scale.build_llm(args, args.context + args.decode_tokens,
+                          -(-(args.context + args.decode_tokens) // scale.BLOCK_SIZE) + 1)
+    engine = llm.llm_engine
+    model, config = engine.model, engine.model_config
+    scale.single_stream(llm, [1] * 64, 4)  # warm-up
+    measured = scale.single_stream(llm, scale._prompt(args.context, config.vocab_size, 0), args.decode_tokens)
+    step_bytes = (weight_bytes(model.layers) + weight_bytes(model.norm) + weight_bytes(model.lm_head)
+                  + args.context * engine.bytes_per_block // scale.BLOCK_SIZE)
+    bound_rate = bandwidth / step_bytes
+    projections = sum(shape[0] * shape[1] for name, shape in hf_weight_shapes(config).items()
+                      if ".layers." in name and name.endswith("proj.weight"))
+    attention = 4 * config.num_attention_heads * config.head_dim * config.num_hidden_layers
+    prefill_flops = (2 * projections * args.context + attention * args.context * (args.context + 1) / 2
+                     + 2 * config.vocab_size * config.hidden_size)
+    compute = "int8" if args.quantization in ("w8a8", "w4a8") else str(model.dtype).replace("torch.", "")
+    prefill_rate = prefill_flops / measured["ttft_s"]
+    return {"step_bytes": step_bytes, "decode_tokens_per_s": measured["decode_tokens_per_s"],
+            "decode_bound_tokens_per_s": bound_rate,
+            "decode_fraction": measured["decode_tokens_per_s"] / bound_rate,
+            "prefill_flops": prefill_flops, "prefill_flops_per_s": prefill_rate, "prefill_peak": compute,
+            "prefill_fraction": prefill_rate / peaks[compute]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    scale.add_model_arguments(parser)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--buffer-mib", type=int, default=512)
+    parser.add_argument("--gemm", type=int, nargs=3, default=[2048, 4096, 4096], metavar=("M", "N", "K"))
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(f"torch threads: {torch.get_num_threads()}")
+    bandwidth = memory_bandwidth(args.buffer_mib, args.repeats)
+    print(f"memory: copy {bandwidth['copy'] / 1e9:.1f} GB/s (read + written), read {bandwidth['read'] / 1e9:.1f} GB/s "
+          f"({args.buffer_mib} MiB buffers)")
+    peaks = gemm_peaks(*args.gemm, args.repeats)
+    print("GEMM peak " + ", ".join(f"{name} {rate / 1e9:.0f} GFLOP/s" for name, rate in peaks.items())
+          + " (m, n, k = {}, {}, {})".format(*args.gemm))
+    result = model_fractions(args, bandwidth["read"], peaks)
+    print(f"decode at {args.context} tokens: {result['decode_tokens_per_s']:.2f} tok/s of a bound "
+          f"{result['decode_bound_tokens_per_s']:.2f} ({result['step_bytes'] / 2**20:.0f} MiB read per token): "
+          f"{result['decode_fraction']:.0%}")
+    print(f"prefill of {args.context} tokens: {result['prefill_flops_per_s'] / 1e9:.0f} GFLOP/s, "
+          f"{result['prefill_fraction']:.0%} of the {result['prefill_peak']} GEMM peak")
+
+
+if __name__ == "__main__":
+    main()
