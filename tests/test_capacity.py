@@ -1,6 +1,6 @@
 """``python -m pagedllm.planner.capacity``: KV bytes per token from a config.json equal the
 engine's own for the model built from it, and the replayed long-document workload against a
-contiguous ``max_model_len`` reservation. See docs/benchmarks.md ("Models at serving size")."""
+contiguous ``max_model_len`` reservation. See docs/benchmarks/serving-size.md."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 same modules, tensor shapes, dtypes and quantized layouts as the model the real loader builds
 from the checkpoint, for the tiny model (a safetensors folder written here) and for SmolLM2
 (its GGUF against ``bench/configs/SmolLM2-135M-Instruct.json``), in every quantization pagedllm
-applies itself. See docs/benchmarks.md ("Models at serving size")."""
+applies itself. See docs/benchmarks/serving-size.md."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 so a 32k prompt costs seconds): a second question about the same 16k document computes only
 what the prefix cache cannot serve, and a 32k prompt prefilled in chunks grows the process by
 its KV cache and a per-chunk scratch linear in the context, never a chunk's full
-``[q_len, context_len]`` score matrix. See docs/benchmarks.md ("Long prompts")."""
+``[q_len, context_len]`` score matrix. See docs/benchmarks/serving-size.md."""
 
 from __future__ import annotations
 
