@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks.throughput import single_stream_pagedllm
 from pagedllm.config import process_memory
 from pagedllm.utils import cdiv
 
@@ -37,22 +38,11 @@ def _prompt(length: int, vocab_size: int, seed: int) -> list[int]:
 
 
 def single_stream(llm: LLM, prompt: list[int], decode_tokens: int) -> dict:
-    """One request alone in the engine: ``ttft_s`` (until the step that samples its first token
-    ends: every prefill chunk), ``decode_tokens_per_s`` over the tokens after the first, and
-    the prefill rate ``prefill_tokens_per_s``."""
-    engine = llm.llm_engine
-    engine.add_request("single-stream", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True))
-    start = time.perf_counter()
-    first_token_at = None
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        if first_token_at is None and any(o.outputs and o.outputs[0].token_ids for o in outputs):
-            first_token_at = time.perf_counter()
-    end = time.perf_counter()
-    ttft = first_token_at - start
+    """One request alone in the engine (``single_stream_pagedllm``): ``ttft_s`` (every prefill
+    chunk, until its first token), the prefill rate, and the decode rate after the first token."""
+    ttft, decode_rate = single_stream_pagedllm(llm, prompt, decode_tokens)
     return {"context": len(prompt), "ttft_s": ttft, "prefill_tokens_per_s": len(prompt) / ttft,
-            "decode_tokens_per_s": (decode_tokens - 1) / (end - first_token_at)}
+            "decode_tokens_per_s": decode_rate}
 
 
 def offline_throughput(llm: LLM, num_requests: int, prompt_len: int, output_len: int, vocab_size: int) -> dict:

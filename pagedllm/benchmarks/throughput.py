@@ -169,7 +169,9 @@ def run_hf(hf_model, workload: list[BenchRequest], pad_token_id: int,
 
 
 def single_stream_pagedllm(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
-    """``(time to first token s, decode tokens/s)`` of one request alone in the engine."""
+    """``(time to first token s, decode tokens/s)`` of one request alone in the engine. The
+    first token comes with the step of the prompt's last chunk: a prompt longer than
+    ``max_num_batched_tokens`` takes several steps before it."""
     from pagedllm import SamplingParams
 
     engine = llm.llm_engine
@@ -178,8 +180,8 @@ def single_stream_pagedllm(llm, prompt: list[int], new_tokens: int) -> tuple[flo
     start = time.perf_counter()
     first_token_at = None
     while engine.has_unfinished_requests():
-        engine.step()
-        if first_token_at is None:
+        outputs = engine.step()
+        if first_token_at is None and any(o.outputs and o.outputs[0].token_ids for o in outputs):
             first_token_at = time.perf_counter()
     end = time.perf_counter()
     return first_token_at - start, (new_tokens - 1) / (end - first_token_at)
