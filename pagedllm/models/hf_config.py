@@ -48,6 +48,10 @@ FAMILY_FIELDS = {
     "mistral": frozenset({"hidden_act", "sliding_window"}),
     "phi3": frozenset({"hidden_act", "sliding_window", "original_max_position_embeddings"}),
     # models/gemma3.py: config_from_hf
+    # models/gemma2.py: config_from_hf
+    "gemma2": frozenset({"hidden_activation", "attention_bias", "use_bidirectional_attention",
+                         "final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar",
+                         "sliding_window", "layer_types"}),
     "gemma3_text": frozenset({"hidden_activation", "attention_bias", "use_bidirectional_attention",
                               "final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar",
                               "sliding_window", "layer_types", "_sliding_window_pattern", "sliding_window_pattern",
@@ -61,6 +65,7 @@ FAMILY_DEFAULTS = {
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
     "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "sliding_window": None},
+    "gemma2": {"max_position_embeddings": 8192, "num_key_value_heads": 4, "head_dim": 256},
     "gemma3_text": {"max_position_embeddings": 131072, "num_key_value_heads": 4, "head_dim": 256},
 }
 DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
@@ -229,7 +234,7 @@ def config_from_hf(raw: dict, has_lm_head: bool,
     defaults = FAMILY_DEFAULTS.get(model_type, {})
     num_heads = raw["num_attention_heads"]
     rope_theta, rope_scaling = rope_from_hf(raw, model_type) if family_config is None else (None, None)
-    tied = bool(raw.get("tie_word_embeddings", model_type == "gemma3_text"))
+    tied = bool(raw.get("tie_word_embeddings", model_type in ("gemma2", "gemma3_text")))
     if not tied and not has_lm_head:
         raise ValueError("tie_word_embeddings=false but the checkpoint has no lm_head.weight")
     eos = raw.get("eos_token_id")

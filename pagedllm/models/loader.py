@@ -21,6 +21,7 @@ import torch
 from pagedllm.huge_pages import move_weights_to_huge_pages
 from pagedllm.layers.quantization import (CHECKPOINT_QUANTIZATION_METHODS, Int4Weight, Int8Weight, int4_from_q4_1,
                                           int4_from_q4_k, quantize_model)
+from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.hf_config import config_from_hf
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
@@ -72,12 +73,14 @@ _GGUF_GLOBAL_NAMES = {
 # ``gguf_tensor_to_hf`` (a tensor's values) and ``gguf_int4_to_hf`` (the 4-bit weights' names),
 # and the config with ``config_from_hf`` (see models/gemma3.py, models/phi3.py).
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-                 "mistral": MistralForCausalLM, "phi3": Phi3ForCausalLM, "gemma3_text": Gemma3ForCausalLM}
+                 "mistral": MistralForCausalLM, "phi3": Phi3ForCausalLM, "gemma2": Gemma2ForCausalLM,
+                 "gemma3_text": Gemma3ForCausalLM}
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 # GGUF ``general.architecture`` -> Hugging Face ``model_type``. llama.cpp writes Mistral as ``llama``.
-_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text"}
+_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
+                     "gemma3": "gemma3_text"}
 _HF_ARCHITECTURE_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                          "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                          "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp's per-frequency longrope factors (Phi-3): GGUF tensor -> the loader's config key.
 _GGUF_ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "rope_long_factor",
                              "rope_factors_short.weight": "rope_short_factor"}
@@ -435,9 +438,9 @@ def _check_gguf_metadata(reader, arch: str) -> None:
     if experts:
         raise ValueError(f"GGUF {arch}.expert_count={experts} is not supported (dense models only)")
     window = _gguf_field(reader, f"{arch}.attention.sliding_window", 0)
-    if window and arch not in ("gemma3", "phi3"):
+    if window and arch not in ("gemma2", "gemma3", "phi3"):
         raise ValueError(f"GGUF {arch}.attention.sliding_window={window} is not supported (full attention; "
-                         "windows for gemma3 and phi3 only)")
+                         "windows for gemma2, gemma3 and phi3 only)")
 
 
 def _pack_int4(weights: dict[str, Int4Weight]) -> dict[str, torch.Tensor]:
