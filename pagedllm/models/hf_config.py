@@ -24,6 +24,7 @@ import math
 from typing import Callable, Optional
 
 from pagedllm.models.llama import LlamaConfig
+from pagedllm.models.moe import MoEConfig, moe_layers
 
 INERT_FIELDS = frozenset({
     "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label", "label2id",
@@ -31,6 +32,7 @@ INERT_FIELDS = frozenset({
     "return_dict", "transformers_version", "use_cache",
     "initializer_range", "attention_dropout", "resid_pdrop", "embd_pdrop",  # training only
     "pad_token_id",  # batches are not padded
+    "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",  # MoE training only
     # transformers 4 split each matmul into pretraining_tp slices of the same product (Llama 2's
     # tensor-parallel layout); transformers 5 no longer reads it.
     "pretraining_tp",
@@ -48,6 +50,12 @@ FAMILY_FIELDS = {
     "mistral": frozenset({"hidden_act", "sliding_window"}),
     "phi3": frozenset({"hidden_act", "sliding_window", "original_max_position_embeddings"}),
     # models/gemma3.py: config_from_hf
+    "qwen3_moe": frozenset({"hidden_act", "attention_bias", "use_sliding_window", "sliding_window",
+                            "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                            "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"}),
+    "mixtral": frozenset({"hidden_act", "sliding_window", "num_local_experts", "num_experts_per_tok"}),
+    "olmoe": frozenset({"hidden_act", "attention_bias", "clip_qkv", "num_experts", "num_experts_per_tok",
+                        "norm_topk_prob"}),
     # models/gemma2.py: config_from_hf
     "gemma2": frozenset({"hidden_activation", "attention_bias", "use_bidirectional_attention",
                          "final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar",
@@ -65,6 +73,11 @@ FAMILY_DEFAULTS = {
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
     "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "sliding_window": None},
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "num_experts": 128,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+    "mixtral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+                "sliding_window": None, "num_experts": 8, "num_experts_per_tok": 2},
+    "olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "num_experts": 64, "num_experts_per_tok": 8},
     "gemma2": {"max_position_embeddings": 8192, "num_key_value_heads": 4, "head_dim": 256},
     "gemma3_text": {"max_position_embeddings": 131072, "num_key_value_heads": 4, "head_dim": 256},
 }
@@ -209,9 +222,52 @@ def _phi3_family(raw: dict, common: dict) -> dict:
             "rotary_dim": None if rotary_dim == common["head_dim"] else rotary_dim}
 
 
+def _experts(raw: dict, common: dict, model_type: str, moe_intermediate_size: int, normalize: bool) -> dict:
+    """The ``MoEConfig`` fields (``num_experts`` is ``num_local_experts`` in some configs)."""
+    defaults = FAMILY_DEFAULTS[model_type]
+    num_experts = raw.get("num_experts", raw.get("num_local_experts", defaults["num_experts"]))
+    top_k = raw.get("num_experts_per_tok", defaults["num_experts_per_tok"])
+    if not isinstance(num_experts, int) or num_experts < 1:
+        _refuse("num_experts", num_experts, "a positive number of experts; a dense model has its own model_type")
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        _refuse("num_experts_per_tok", top_k, f"between 1 and num_experts={num_experts}")
+    step = raw.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        _refuse("decoder_sparse_step", step, "a positive integer")
+    return {"num_experts": num_experts, "num_experts_per_tok": top_k, "moe_intermediate_size": moe_intermediate_size,
+            "norm_topk_prob": normalize,
+            "moe_layers": moe_layers(common["num_hidden_layers"], raw.get("mlp_only_layers") or (), step)}
+
+
+def _qwen3_moe_family(raw: dict, common: dict) -> dict:
+    return {**_qwen3_family(raw, common),
+            **_experts(raw, common, "qwen3_moe",
+                       raw.get("moe_intermediate_size", FAMILY_DEFAULTS["qwen3_moe"]["moe_intermediate_size"]),
+                       bool(raw.get("norm_topk_prob", False)))}
+
+
+def _mixtral_family(raw: dict, common: dict) -> dict:
+    """HF ``MixtralTopKRouter`` always renormalizes the top-k probabilities."""
+    _check_hidden_act(raw)
+    return {"sliding_window": _window(raw, common, "mixtral"),
+            **_experts(raw, common, "mixtral", common["intermediate_size"], True)}
+
+
+def _olmoe_family(raw: dict, common: dict) -> dict:
+    """HF ``OlmoeAttention``: ``attention_bias`` on q/k/v and o; the experts are ``intermediate_size``."""
+    _check_hidden_act(raw)
+    clip = raw.get("clip_qkv")
+    if clip is not None and not clip > 0:
+        _refuse("clip_qkv", clip, "a positive bound or null")
+    bias = bool(raw.get("attention_bias", False))
+    return {"attention_bias": bias, "o_proj_bias": bias, "clip_qkv": None if clip is None else float(clip),
+            **_experts(raw, common, "olmoe", common["intermediate_size"], bool(raw.get("norm_topk_prob", False)))}
+
+
 _FAMILY_CONFIG: dict[str, Callable[[dict, dict], dict]] = {
     "llama": _llama_family, "qwen2": _qwen2_family, "qwen3": _qwen3_family, "mistral": _mistral_family,
-    "phi3": _phi3_family}
+    "phi3": _phi3_family, "qwen3_moe": _qwen3_moe_family, "mixtral": _mixtral_family, "olmoe": _olmoe_family}
+_MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
 
 
 def config_from_hf(raw: dict, has_lm_head: bool,
@@ -259,4 +315,5 @@ def config_from_hf(raw: dict, has_lm_head: bool,
         return family_config(raw, common)
     factors = raw.get("rope_freq_factors")
     common.update(rope_scaling=rope_scaling, rope_freq_factors=None if factors is None else tuple(factors))
-    return LlamaConfig(**common, **_FAMILY_CONFIG[model_type](raw, common))
+    config_class = MoEConfig if model_type in _MOE_FAMILIES else LlamaConfig
+    return config_class(**common, **_FAMILY_CONFIG[model_type](raw, common))

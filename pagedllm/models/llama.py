@@ -216,14 +216,19 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, positions, hidden, kv_cache, metadata, rotary):
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+    def norm_qk_(self, qkv: torch.Tensor) -> None:
+        """Norm q and k inside the fused ``[num_tokens, q + 2 kv]`` rows in place, before RoPE:
+        per head with ``qk_norm`` (Qwen3), else nothing (a subclass may norm otherwise)."""
         if self.q_norm is not None:
-            # Normed per head and written back into the fused rows, which RoPE then rotates in place.
+            num_tokens = qkv.shape[0]
             q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
             q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size))
             k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size))
+
+    def forward(self, positions, hidden, kv_cache, metadata, rotary):
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        self.norm_qk_(qkv)
         rotary_embedding_(qkv, positions, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads,
                           self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -425,13 +430,14 @@ class LlamaForCausalLM(nn.Module):
             if attn.o_proj.bias is not None:
                 put(attn.o_proj, "bias", take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
             mlp = layer.mlp
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(mlp.gate_up_proj, "weight", gate_up, p + "mlp.gate_up_proj.weight")
-            put(mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
-            if mlp.gate_up_proj.bias is not None:
-                gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
-                put(mlp.gate_up_proj, "bias", gate_up_bias, p + "mlp.gate_up_proj.bias")
-                put(mlp.down_proj, "bias", take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
+            if isinstance(mlp, LlamaMLP):  # else a subclass's (models/moe.py) loads it
+                gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                put(mlp.gate_up_proj, "weight", gate_up, p + "mlp.gate_up_proj.weight")
+                put(mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+                if mlp.gate_up_proj.bias is not None:
+                    gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+                    put(mlp.gate_up_proj, "bias", gate_up_bias, p + "mlp.gate_up_proj.bias")
+                    put(mlp.down_proj, "bias", take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
             norms = ["input_layernorm", "post_attention_layernorm"]
             if attn.q_norm is not None:
                 norms += ["self_attn.q_norm", "self_attn.k_norm"]

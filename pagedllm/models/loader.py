@@ -26,11 +26,14 @@ from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.hf_config import config_from_hf
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedllm.models.mistral import MistralForCausalLM
+from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.quantized_checkpoint import (checkpoint_quantization, pop_quantized_modules,
                                                   read_quantized_weight, weight_shape)
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
+from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
 from pagedllm.models.sharding import TensorParallelShard
 from pagedllm.models.registry import NAMED_MODELS, resolve_named_model
 
@@ -74,7 +77,8 @@ _GGUF_GLOBAL_NAMES = {
 # and the config with ``config_from_hf`` (see models/gemma3.py, models/phi3.py).
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
                  "mistral": MistralForCausalLM, "phi3": Phi3ForCausalLM, "gemma2": Gemma2ForCausalLM,
-                 "gemma3_text": Gemma3ForCausalLM}
+                 "gemma3_text": Gemma3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM,
+                 "olmoe": OlmoeForCausalLM}
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 # GGUF ``general.architecture`` -> Hugging Face ``model_type``. llama.cpp writes Mistral as ``llama``.
 _GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
