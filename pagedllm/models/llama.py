@@ -430,7 +430,7 @@ class LlamaForCausalLM(nn.Module):
             if attn.o_proj.bias is not None:
                 put(attn.o_proj, "bias", take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
             mlp = layer.mlp
-            if isinstance(mlp, LlamaMLP):  # else a subclass's (models/moe.py) loads it
+            if hasattr(mlp, "gate_up_proj"):  # a MoE block has experts instead (models/moe.py loads them)
                 gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
                 put(mlp.gate_up_proj, "weight", gate_up, p + "mlp.gate_up_proj.weight")
                 put(mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
