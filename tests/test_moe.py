@@ -46,21 +46,33 @@ def test_moe_equals_transformers(tiny_moe):
     assert_parity(hf, model, random_prompts(30, 4))
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
-def test_fused_experts_equal_the_per_token_loop(tiny_moe, quantization):
-    """The same block's experts, grouped by expert or token by token: equal up to the GEMMs'
-    blocking (float); with int8/int4 experts, the same quantized layers both ways."""
-    _, _, config, state_dict = tiny_moe
-    model = build_model(config, state_dict, torch.float32, quantization)
-    block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock))
-    if quantization is not None:
-        assert type(block.experts[0].gate_up_proj).__name__ == {"int8": "Int8Linear", "int4": "Int4Linear"}[
-            quantization]
-    x = torch.randn(37, config.hidden_size, generator=torch.Generator().manual_seed(0))
+def assert_fused_equals_per_token(block: SparseMoeBlock, hidden_size: int) -> None:
+    x = torch.randn(37, hidden_size, generator=torch.Generator().manual_seed(0))
     weights, expert_ids = route(block.gate(x), block.top_k, block.normalize)
     assert len(set(expert_ids.flatten().tolist())) > 1
     torch.testing.assert_close(fused_experts(x, block.experts, weights, expert_ids),
                                experts_per_token(x, block.experts, weights, expert_ids), rtol=0, atol=FUSED_TOL)
+
+
+def test_fused_experts_equal_the_per_token_loop(tiny_moe):
+    """The same block's experts, grouped by expert or token by token."""
+    _, _, config, state_dict = tiny_moe
+    model = build_model(config, state_dict, torch.float32)
+    assert_fused_equals_per_token(next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)),
+                                  config.hidden_size)
+
+
+@pytest.mark.parametrize("quantization,layer", [("int8", "Int8Linear"), ("int4", "Int4Linear")])
+def test_quantized_experts(tmp_path, quantization, layer):
+    """int8/int4 quantize every expert's projections (the router stays float); the fused path
+    and the per-token loop run the same quantized layers."""
+    save_tiny_hf("mixtral", tmp_path, **FAMILIES["mixtral"])
+    config, state_dict = load_checkpoint(tmp_path)
+    model = build_model(config, state_dict, torch.float32, quantization)
+    block = model.layers[0].mlp
+    assert {type(m).__name__ for e in block.experts for m in (e.gate_up_proj, e.down_proj)} == {layer}
+    assert type(block.gate).__name__ == "Linear"
+    assert_fused_equals_per_token(block, config.hidden_size)
 
 
 def test_route_normalizes_only_when_asked():
@@ -80,3 +92,25 @@ def test_moe_refusals(tiny_moe):
         TensorParallelShard(0, 2).check(config)
     with pytest.raises(ValueError, match="quantization='w8a8' is not supported for mixture-of-experts"):
         build_model(config, state_dict, torch.float32, "w8a8")
+
+
+def test_unknown_architectures_are_refused_by_name(tmp_path):
+    """A folder or GGUF of an architecture without a model class: a ``ValueError`` naming it
+    and listing what is supported (the MoE families among them)."""
+    import json
+
+    import gguf
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    with pytest.raises(ValueError, match=r"model_type 'deepseek_v3' is not supported \(supported: .*'qwen3_moe', "
+                                         r"'mixtral', 'olmoe'\)"):
+        load_checkpoint(tmp_path)
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "deepseek2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from pagedllm.models.loader import _read_gguf
+
+    with pytest.raises(ValueError, match=r"GGUF architecture 'deepseek2' is not supported \(supported: .*'phi3'"):
+        _read_gguf(tmp_path / "m.gguf")

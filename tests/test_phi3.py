@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pagedllm.models.loader import build_model, load_checkpoint
-from tests.test_model_families import (LOGPROB_TOL, assert_parity, load_gguf, native,  # noqa: F401
-                                       pagedllm_run, random_prompts, save_tiny_hf)
+from tests.test_model_families import (LOGPROB_TOL, assert_parity, hf_reference, load_gguf,  # noqa: F401
+                                       native, pagedllm_run, random_prompts, save_tiny_hf)
 
 ORIGINAL = 64  # original_max_position_embeddings: prompts of 100 tokens are "long"
 
@@ -28,13 +28,13 @@ def longrope(rotary_dim: int, seed: int) -> dict:
             "long_factor": (1 + 19 * torch.rand(rotary_dim // 2, generator=g)).tolist()}
 
 
-# Phi-4-mini's shape (partial rotary 0.75, tied head) and Phi-3-mini's (whole-head RoPE, a
-# window, untied head), both with longrope.
+# Phi-4-mini's shape (partial rotary 0.75, tied head: Python layers, torch RoPE) and
+# Phi-3.5-mini's (whole-head RoPE, untied head: the fused C++ decode op), both with longrope.
 VARIANTS = {
     "phi4mini": dict(rope_parameters={**longrope(12, 0), "partial_rotary_factor": 0.75},
                      original_max_position_embeddings=ORIGINAL, tie_word_embeddings=True, embed_std=0.3),
-    "phi3mini": dict(rope_parameters=longrope(16, 1), original_max_position_embeddings=ORIGINAL,
-                     tie_word_embeddings=False, sliding_window=48),
+    "phi35mini": dict(rope_parameters=longrope(16, 1), original_max_position_embeddings=ORIGINAL,
+                      tie_word_embeddings=False),
 }
 
 
@@ -53,10 +53,28 @@ def test_phi3_config(tiny_phi3):
     assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == ORIGINAL
     # factor = 1024 / 64 (max_position_embeddings / original): HF's default attention factor.
     assert scaling["attention_factor"] == math.sqrt(1 + math.log(1024 / ORIGINAL) / math.log(ORIGINAL))
-    assert config.rotary_dim == (12 if name == "phi4mini" else None)
-    assert config.sliding_window == (48 if name == "phi3mini" else None)
+    assert config.rotary_dim == (12 if name == "phi4mini" else None) and config.sliding_window is None
     model = build_model(config, state_dict, torch.float32)
-    assert (model.fused_decode is None) == (name == "phi4mini" or config.sliding_window is not None)
+    assert (model.fused_decode is None) == (name == "phi4mini")
+
+
+def test_phi3_window_and_old_rope_names_are_read():
+    """A window as Mistral's (Phi-3-mini-4k: 2047 of 4096); one no shorter than the context is
+    none (Phi-3.5-mini: 262144 of 131072); ``su`` is longrope's old name; partial rotary must
+    give an even number of features."""
+    from pagedllm.models.hf_config import config_from_hf
+    from tests.test_model_families import TINY
+
+    raw = {**TINY, "model_type": "phi3", "sliding_window": 511, "original_max_position_embeddings": 64,
+           "rope_scaling": {**longrope(16, 2), "type": "su"}}
+    raw["rope_scaling"].pop("rope_type")
+    config = config_from_hf(raw, True)
+    assert config.sliding_window == 511 and config.rope_scaling["rope_type"] == "longrope"
+    assert config_from_hf({**raw, "sliding_window": 1024}, True).sliding_window is None
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.3125"):
+        config_from_hf({**raw, "partial_rotary_factor": 0.3125}, True)
+    with pytest.raises(ValueError, match="short_factor has 8 factors, a rotary dimension of 8 needs 4"):
+        config_from_hf({**raw, "partial_rotary_factor": 0.5}, True)
 
 
 @pytest.mark.usefixtures("native")
@@ -77,8 +95,8 @@ def test_phi3_short_factors_equal_transformers(tiny_phi3):
     assert not model.rotary.long_factors
     # The choice matters: the long factors move these logprobs by far more than the tolerance.
     (_, long_logprobs), = pagedllm_run(model, prompts[:1], max_model_len=1024)
-    (_, short_logprobs), = pagedllm_run(model, prompts[:1], max_model_len=ORIGINAL)
-    assert max(abs(a - b) for a, b in zip(long_logprobs, short_logprobs)) > 100 * LOGPROB_TOL
+    _, expected = hf_reference(hf, prompts[0])
+    assert max(abs(a - b) for a, b in zip(long_logprobs, expected)) > 100 * LOGPROB_TOL
 
 
 def write_phi3_gguf(path, hf) -> None:

@@ -218,6 +218,12 @@ def _phi3_family(raw: dict, common: dict) -> dict:
     rotary_dim = int(common["head_dim"] * partial)
     if not 0 < rotary_dim <= common["head_dim"] or rotary_dim % 2:
         _refuse("partial_rotary_factor", partial, f"an even number of features up to head_dim={common['head_dim']}")
+    scaling = common["rope_scaling"]
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if len(scaling[key]) != rotary_dim // 2:
+                raise ValueError(f"longrope {key} has {len(scaling[key])} factors, a rotary dimension of "
+                                 f"{rotary_dim} needs {rotary_dim // 2}")
     return {"sliding_window": _window(raw, common, "phi3"),
             "rotary_dim": None if rotary_dim == common["head_dim"] else rotary_dim}
 
