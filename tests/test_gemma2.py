@@ -46,6 +46,8 @@ def test_gemma2_equals_transformers(tiny_gemma2):
     model = build_model(config, state_dict, torch.float32)
     prompts = random_prompts(40, 5)
     assert_parity(hf, model, prompts)
+    # Chunks of 12 tokens: the capped attention over a cached prefix, window included.
+    assert_parity(hf, model, prompts[:1], max_num_batched_tokens=12)
     # Without either cap the same weights give other logprobs (the caps are computed, not skipped).
     _, expected = hf_reference(hf, prompts[0])
     for uncapped in ({"attn_logit_softcapping": None}, {"final_logit_softcapping": None}):

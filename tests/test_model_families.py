@@ -84,9 +84,14 @@ def hf_reference(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
     return generated[0, len(prompt):].tolist(), logprobs.tolist()
 
 
-def pagedllm_run(model, prompts: list[list[int]], max_model_len: int = 1024) -> list[tuple[list[int], list[float]]]:
+def pagedllm_run(model, prompts: list[list[int]], max_model_len: int = 1024,
+                 max_num_batched_tokens: int = 1024) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and prompt logprobs from pagedllm; a ``max_num_batched_tokens`` below a
+    prompt's length prefills it in chunks over its cached prefix."""
     engine = LLMEngine(EngineArgs.from_kwargs(dtype="float32", block_size=16, num_gpu_blocks_override=128,
-                                              max_model_len=max_model_len, max_num_batched_tokens=1024),
+                                              max_model_len=max_model_len,
+                                              max_num_batched_tokens=max_num_batched_tokens,
+                                              max_num_seqs=min(256, max_num_batched_tokens)),
                        model=model, tokenizer=None)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0)
     for i, prompt in enumerate(prompts):
@@ -109,8 +114,9 @@ def native(request, monkeypatch):
 
 
 def assert_parity(hf, model, prompts: list[list[int]], logprob_tol: float = LOGPROB_TOL,
-                  max_model_len: int = 1024) -> None:
-    for prompt, (tokens, logprobs) in zip(prompts, pagedllm_run(model, prompts, max_model_len)):
+                  max_model_len: int = 1024, max_num_batched_tokens: int = 1024) -> None:
+    for prompt, (tokens, logprobs) in zip(prompts, pagedllm_run(model, prompts, max_model_len,
+                                                                max_num_batched_tokens)):
         expected_tokens, expected_logprobs = hf_reference(hf, prompt)
         assert tokens == expected_tokens
         torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64),
