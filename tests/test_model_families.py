@@ -45,16 +45,22 @@ def hf_config_class(model_type: str):
 
     return {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
             "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig,
-            "gemma3_text": transformers.Gemma3TextConfig}[model_type]
+            "phi3": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
+            "gemma3_text": transformers.Gemma3TextConfig, "mixtral": transformers.MixtralConfig,
+            "qwen3_moe": transformers.Qwen3MoeConfig, "olmoe": transformers.OlmoeConfig}[model_type]
 
 
-def save_tiny_hf(model_type: str, folder, **overrides):
+def save_tiny_hf(model_type: str, folder, embed_std: float = 1.0, **overrides):
     """A random transformers model of ``model_type`` (weights wide enough that attention is sharp
-    and logits are not flat), saved to ``folder``; returns it."""
+    and logits are not flat), saved to ``folder``; returns it. ``embed_std``: the embedding's
+    (a tied head with std 1 gives logits in the tens, whose fp32 rounding alone is ~1e-4)."""
     import transformers
 
     model_class = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-                   "mistral": transformers.MistralForCausalLM}[model_type]
+                   "mistral": transformers.MistralForCausalLM, "phi3": transformers.Phi3ForCausalLM,
+                   "gemma2": transformers.Gemma2ForCausalLM, "mixtral": transformers.MixtralForCausalLM,
+                   "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+                   "olmoe": transformers.OlmoeForCausalLM}[model_type]
     torch.manual_seed(0)
     hf = model_class(hf_config_class(model_type)(**{**TINY, **overrides})).eval()
     with torch.no_grad():
@@ -62,7 +68,7 @@ def save_tiny_hf(model_type: str, folder, **overrides):
             if "norm" in name:
                 param.copy_(1 + 0.2 * torch.randn_like(param))
             else:
-                param.normal_(0, 1.0 if "embed" in name else 0.3)
+                param.normal_(0, embed_std if "embed" in name else 0.3)
     hf.save_pretrained(str(folder))
     return hf
 
@@ -78,9 +84,14 @@ def hf_reference(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
     return generated[0, len(prompt):].tolist(), logprobs.tolist()
 
 
-def pagedllm_run(model, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+def pagedllm_run(model, prompts: list[list[int]], max_model_len: int = 1024,
+                 max_num_batched_tokens: int = 1024) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and prompt logprobs from pagedllm; a ``max_num_batched_tokens`` below a
+    prompt's length prefills it in chunks over its cached prefix."""
     engine = LLMEngine(EngineArgs.from_kwargs(dtype="float32", block_size=16, num_gpu_blocks_override=128,
-                                              max_model_len=1024, max_num_batched_tokens=1024),
+                                              max_model_len=max_model_len,
+                                              max_num_batched_tokens=max_num_batched_tokens,
+                                              max_num_seqs=min(256, max_num_batched_tokens)),
                        model=model, tokenizer=None)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0)
     for i, prompt in enumerate(prompts):
@@ -102,8 +113,10 @@ def native(request, monkeypatch):
     ops.native_ops.cache_clear()
 
 
-def assert_parity(hf, model, prompts: list[list[int]], logprob_tol: float = LOGPROB_TOL) -> None:
-    for prompt, (tokens, logprobs) in zip(prompts, pagedllm_run(model, prompts)):
+def assert_parity(hf, model, prompts: list[list[int]], logprob_tol: float = LOGPROB_TOL,
+                  max_model_len: int = 1024, max_num_batched_tokens: int = 1024) -> None:
+    for prompt, (tokens, logprobs) in zip(prompts, pagedllm_run(model, prompts, max_model_len,
+                                                                max_num_batched_tokens)):
         expected_tokens, expected_logprobs = hf_reference(hf, prompt)
         assert tokens == expected_tokens
         torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64),

@@ -162,6 +162,8 @@ class LLMEngine:
                     f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}), fewer "
                     f"than one request of max_model_len={self.max_model_len}: lower max_model_len or "
                     "raise kv_cache_memory_bytes / memory_utilization")
+        if hasattr(model, "set_max_model_len"):  # Phi-3's longrope factors depend on it
+            model.set_max_model_len(self.max_model_len)
         self.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size,
                                                enable_caching=engine_args.enable_prefix_caching)

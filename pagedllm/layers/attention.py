@@ -17,6 +17,12 @@ the token at position ``p`` attends to positions ``p - W + 1 .. p`` only (HF
 ``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - W``). Every block stays allocated
 (the blocks wholly before the window are only not read): freeing them, as vLLM's
 ``SlidingWindowManager`` does, is left out.
+
+Attention logit soft-capping, as Gemma 2 uses it (``logit_softcap = c``): each scaled score
+``s`` becomes ``c * tanh(s / c)`` before the mask and the softmax (HF ``modeling_gemma2.py``:
+``eager_attention_forward``). The C++ kernels do not cap, so a capped attention always runs the
+torch formulation here (``attention_softcapped``), decode and prefill alike; the model
+chooses it once, when it is built, by passing ``logit_softcap``.
 """
 
 from __future__ import annotations
@@ -101,10 +107,32 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                        value_cache, slot_mapping)
 
 
+def attention_softcapped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                         scale: float, logit_softcap: float) -> torch.Tensor:
+    """Soft-capped attention (Gemma 2) in the operations and order of HF ``eager_attention_forward``:
+    ``softmax(c * tanh(q k^T * scale / c) + mask)`` in fp32, rounded to the query's dtype, times v.
+
+    Args:
+        query: ``[batch, num_heads, q_len, head_dim]``; key/value ``[batch, num_heads, kv_len,
+            head_dim]`` (KV heads already repeated for each query head).
+        mask: bool, broadcastable to ``[batch, num_heads, q_len, kv_len]``; True where a query
+            may attend.
+
+    Returns:
+        ``[batch, num_heads, q_len, head_dim]``.
+    """
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value)
+
+
 def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
                                  value_cache: torch.Tensor, block_tables: torch.Tensor,
                                  context_lens: torch.Tensor, scale: float,
-                                 sliding_window: Optional[int] = None) -> torch.Tensor:
+                                 sliding_window: Optional[int] = None,
+                                 logit_softcap: Optional[float] = None) -> torch.Tensor:
     """Decode attention by gathering K/V through the block tables with torch indexing.
 
     The reference the C++ kernel is tested against, and the fallback where it cannot be built.
@@ -121,6 +149,7 @@ def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
         scale: softmax scale, usually ``head_dim ** -0.5``.
         sliding_window: attend to the last ``sliding_window`` tokens of each context only
             (None: all of them).
+        logit_softcap: cap the scores (``attention_softcapped``; None: no cap).
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in the query's dtype.
@@ -137,6 +166,10 @@ def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
     if sliding_window is not None:
         mask &= positions[None, :] >= context_lens[:, None] - sliding_window
     mask = mask.view(num_seqs, 1, 1, max_len)
+    if logit_softcap is not None:
+        group = num_heads // num_kv_heads
+        return attention_softcapped(query.unsqueeze(2), keys.repeat_interleave(group, dim=1),
+                                    values.repeat_interleave(group, dim=1), mask, scale, logit_softcap).squeeze(2)
     out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask,
                                          scale=scale, enable_gqa=num_heads != num_kv_heads)
     return out.squeeze(2)
@@ -206,7 +239,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def prefill_attention_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            key_cache: torch.Tensor, value_cache: torch.Tensor,
                            seq: PrefillSequence, scale: float,
-                           sliding_window: Optional[int] = None) -> torch.Tensor:
+                           sliding_window: Optional[int] = None,
+                           logit_softcap: Optional[float] = None) -> torch.Tensor:
     """Causal attention of a chunk of ``q_len`` tokens over its cached prefix and itself, by
     torch's SDPA (the fallback of ``prefill_attention`` and the reference its kernel is tested
     against).
@@ -229,6 +263,7 @@ def prefill_attention_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.
             the chunk can see).
         sliding_window: each query sees the last ``sliding_window`` positions up to its own
             (None: all of them).
+        logit_softcap: cap the scores (``attention_softcapped``, in place of SDPA; None: no cap).
 
     Returns:
         ``[q_len, num_heads, head_dim]``.
@@ -240,7 +275,7 @@ def prefill_attention_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.
     q = query.transpose(0, 1).unsqueeze(0)
     ctx = seq.context_len
     window = sliding_window if sliding_window is not None and sliding_window < ctx else None
-    if ctx == q_len and window is None:
+    if ctx == q_len and window is None and logit_softcap is None:
         key, value = as_cached(key, key_cache.dtype), as_cached(value, value_cache.dtype)
         out = F.scaled_dot_product_attention(q, _expand_kv_heads(key, group),
                                              _expand_kv_heads(value, group), is_causal=True,
@@ -258,6 +293,10 @@ def prefill_attention_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.
     hidden = key_pos > query_pos
     if window is not None:
         hidden |= key_pos <= query_pos - window
+    if logit_softcap is not None:
+        out = attention_softcapped(q, _expand_kv_heads(keys, group), _expand_kv_heads(values, group), ~hidden,
+                                   scale, logit_softcap)
+        return out[0].transpose(0, 1)
     mask = torch.zeros(q_len, ctx - first, dtype=query.dtype).masked_fill_(hidden, float("-inf"))
     out = F.scaled_dot_product_attention(q, _expand_kv_heads(keys, group),
                                          _expand_kv_heads(values, group), attn_mask=mask,
@@ -268,18 +307,24 @@ def prefill_attention_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
                     metadata: AttentionMetadata, scale: float,
-                    sliding_window: Optional[int] = None) -> torch.Tensor:
+                    sliding_window: Optional[int] = None,
+                    logit_softcap: Optional[float] = None) -> torch.Tensor:
     """Write this step's K/V to the cache, then attend for every token of the flat batch.
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]``; key/value ``[num_tokens, num_kv_heads, head_dim]``.
         sliding_window: each token attends to the last ``sliding_window`` positions up to its
             own (None: all; see the module docstring).
+        logit_softcap: soft-cap the scores (Gemma 2): the torch formulation, decode and
+            prefill (see the module docstring). None: no cap.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]``.
     """
     write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+    if logit_softcap is not None:
+        return _paged_attention_softcapped(query, key, value, key_cache, value_cache, metadata, scale,
+                                           sliding_window, logit_softcap)
     num_decode = metadata.num_decode_tokens
     if num_decode == query.shape[0] and not metadata.prefills:
         return paged_decode_attention(query, key_cache, value_cache, metadata.decode_block_tables,
@@ -293,4 +338,19 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out[seq.start:seq.end] = prefill_attention(query[seq.start:seq.end], key[seq.start:seq.end],
                                                    value[seq.start:seq.end], key_cache, value_cache,
                                                    seq, scale, sliding_window)
+    return out
+
+
+def _paged_attention_softcapped(query, key, value, key_cache, value_cache, metadata: AttentionMetadata,
+                                scale: float, sliding_window: Optional[int], logit_softcap: float) -> torch.Tensor:
+    out = torch.empty_like(query)
+    num_decode = metadata.num_decode_tokens
+    if num_decode:
+        out[:num_decode] = paged_decode_attention_torch(query[:num_decode], key_cache, value_cache,
+                                                        metadata.decode_block_tables, metadata.decode_context_lens,
+                                                        scale, sliding_window, logit_softcap)
+    for seq in metadata.prefills:
+        out[seq.start:seq.end] = prefill_attention_sdpa(query[seq.start:seq.end], key[seq.start:seq.end],
+                                                        value[seq.start:seq.end], key_cache, value_cache, seq,
+                                                        scale, sliding_window, logit_softcap)
     return out

@@ -141,26 +141,31 @@ def rotary_embedding_torch_(qkv: torch.Tensor, positions: torch.Tensor, cos: tor
     Args:
         qkv: ``[tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]``, q then k then v.
         positions: ``[tokens]`` int64.
-        cos, sin: ``[max_positions, head_dim]`` fp32.
+        cos, sin: ``[max_positions, rotary_dim]`` fp32; ``rotary_dim < head_dim`` rotates the
+            first ``rotary_dim`` features of each head and passes the rest (partial rotary,
+            HF ``apply_rotary_pos_emb`` of Phi-3).
     """
     tokens = qkv.shape[0]
     qk = qkv[:, :(num_q_heads + num_kv_heads) * head_dim].view(tokens, num_q_heads + num_kv_heads, head_dim)
+    rotary_dim = cos.shape[1]
+    qk = qk[..., :rotary_dim]
     c = cos[positions].to(qkv.dtype).unsqueeze(1)
     s = sin[positions].to(qkv.dtype).unsqueeze(1)
-    half = head_dim // 2
+    half = rotary_dim // 2
     rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
     qk.copy_(qk * c + rotated * s)
 
 
 def rotary_embedding_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
-    """As ``rotary_embedding_torch_``.
+    """As ``rotary_embedding_torch_``. Partial rotary (``cos`` narrower than ``head_dim``) runs
+    the torch formulation: the C++ op rotates whole heads.
 
     Raises:
         ValueError: a position outside ``[0, max_positions)`` (native path).
     """
     ops = native_ops()
-    if ops is None:
+    if ops is None or cos.shape[1] != head_dim:
         rotary_embedding_torch_(qkv, positions, cos, sin, num_q_heads, num_kv_heads, head_dim)
     else:
         ops.rotary_embedding_(qkv, positions, cos, sin, num_q_heads, num_kv_heads, head_dim)

@@ -779,6 +779,11 @@ def quantize_model(model: nn.Module, prequantized: Optional[dict[str, "Int4Weigh
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = convert(attn.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
         attn.o_proj = convert(attn.o_proj, [p + "self_attn.o_proj.weight"])
+        if hasattr(mlp, "experts"):  # a MoE block (models/moe.py): each expert as a dense MLP, router float
+            for e, expert in enumerate(mlp.experts):
+                expert.gate_up_proj = convert(expert.gate_up_proj, [p + f"mlp.experts.{e}.gate_up_proj.weight"])
+                expert.down_proj = convert(expert.down_proj, [p + f"mlp.experts.{e}.down_proj.weight"])
+            continue
         mlp.gate_up_proj = convert(mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
         mlp.down_proj = convert(mlp.down_proj, [p + "mlp.down_proj.weight"])
     if model.fused_decode is not None:  # None: a family the C++ decode op does not run (Gemma 3)

@@ -27,6 +27,7 @@ step, against 200 MB for all 18 layers.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -41,6 +42,8 @@ from pagedllm.layers.ops import rotary_embedding_
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM, RotaryEmbedding
 from pagedllm.models.sharding import TensorParallelShard
 
+logger = logging.getLogger(__name__)
+
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -50,12 +53,17 @@ class Gemma3Config(LlamaConfig):
 
     ``rope_theta`` is the global layers' RoPE base; ``layer_types[i]`` is ``"sliding_attention"``
     or ``"full_attention"``; ``sliding_window`` counts tokens, the current one included.
+    ``qk_norm`` (Gemma 3: True) norms q and k per head; ``attn_logit_softcapping`` and
+    ``final_logit_softcapping`` (Gemma 2; None: no cap) soft-cap the attention scores and the
+    logits, ``c * tanh(x / c)``.
     """
 
     query_pre_attn_scalar: float = 256.0
     sliding_window: int = 4096
     layer_types: tuple[str, ...] = ()
     rope_local_base_freq: float = 10000.0
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
 
 
 def default_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
@@ -93,23 +101,29 @@ class Gemma3Attention(nn.Module):
         self.sliding_window = config.sliding_window if layer_type == SLIDING else None
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.logit_softcap = config.attn_logit_softcapping
+        if config.qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, positions, hidden, kv_cache, metadata, rotary):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        # Per-head norms written back into the fused rows, which RoPE then rotates in place.
-        q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
-        q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size))
-        k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size))
+        if self.q_norm is not None:
+            # Per-head norms written back into the fused rows, which RoPE then rotates in place.
+            q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
+            q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size))
+            k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size))
         rotary_embedding_(qkv, positions, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads,
                           self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         out = paged_attention(q.view(num_tokens, self.num_heads, self.head_dim),
                               k.view(num_tokens, self.num_kv_heads, self.head_dim),
                               v.view(num_tokens, self.num_kv_heads, self.head_dim),
-                              kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window)
+                              kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window,
+                              self.logit_softcap)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -161,6 +175,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             ``tp.size > 1`` (no tensor parallelism for this family).
     """
 
+    family_name = "Gemma 3"
     # GGUF tensor names (after ``blk.N.``) that differ from Llama's meaning (llama.cpp's
     # convert_hf_to_gguf.py ``Gemma3Model``), and the extra ones.
     gguf_layer_names = {
@@ -176,7 +191,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         if tp.size != 1:
             # Its layers are not sharded (models/sharding.py splits Llama-shaped layers only).
-            raise ValueError(f"Gemma 3 runs with tensor_parallel_size=1 only, got {tp.size}")
+            raise ValueError(f"{self.family_name} runs with tensor_parallel_size=1 only, got {tp.size}")
         self.tp = tp
         layer_types = tuple(config.layer_types) or tuple(default_layer_types(config.num_hidden_layers))
         if len(layer_types) != config.num_hidden_layers or set(layer_types) - {SLIDING, FULL}:
@@ -195,6 +210,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.fused_decode = None
         self.requires_grad_(False)
+        if config.attn_logit_softcapping is not None:
+            logger.info("attention logit soft-capping (%s): attention runs the torch formulation, decode and "
+                        "prefill (the C++ attention kernels do not cap)", config.attn_logit_softcapping)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """As ``LlamaForCausalLM.compute_logits``, soft-capped by ``final_logit_softcapping``
+        where the config sets it (Gemma 2: ``c * tanh(logits / c)``, HF ``Gemma2ForCausalLM``)."""
+        logits = super().compute_logits(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -219,10 +244,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().load_hf_state_dict(state_dict)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            for name, norm in (("pre_feedforward_layernorm", layer.pre_feedforward_layernorm),
-                               ("post_feedforward_layernorm", layer.post_feedforward_layernorm),
-                               ("self_attn.q_norm", layer.self_attn.q_norm),
-                               ("self_attn.k_norm", layer.self_attn.k_norm)):
+            norms = [("pre_feedforward_layernorm", layer.pre_feedforward_layernorm),
+                     ("post_feedforward_layernorm", layer.post_feedforward_layernorm)]
+            if layer.self_attn.q_norm is not None:
+                norms += [("self_attn.q_norm", layer.self_attn.q_norm), ("self_attn.k_norm", layer.self_attn.k_norm)]
+            for name, norm in norms:
                 key = p + name + ".weight"
                 if key not in state_dict:
                     raise ValueError(f"weight {key!r} missing from the checkpoint")
@@ -293,7 +319,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             **{**common,
                "rope_theta": float((rope.get(FULL) or {}).get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
                "tie_word_embeddings": raw.get("tie_word_embeddings", True) or common["tie_word_embeddings"],
-               "sliding_window": int(raw.get("sliding_window") or 4096)},
+               "sliding_window": int(raw.get("sliding_window") or 4096), "qk_norm": True},
             query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
             layer_types=tuple(raw.get("layer_types") or default_layer_types(num_layers, pattern)),
             rope_local_base_freq=float((rope.get(SLIDING) or {}).get(

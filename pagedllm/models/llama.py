@@ -39,7 +39,9 @@ class LlamaConfig:
     None for plain RoPE; ``rope_freq_factors``: llama.cpp's per-frequency divisors (a GGUF's
     ``rope_freqs.weight``), None for none. ``qk_norm``: q and k are RMS-normed per head before
     RoPE (Qwen3). ``sliding_window``: every layer attends to the last ``sliding_window``
-    positions, the current one included (Mistral; None: all of them).
+    positions, the current one included (Mistral; None: all of them). ``rotary_dim``: RoPE
+    rotates the first ``rotary_dim`` features of each head only (HF ``partial_rotary_factor``,
+    Phi-4-mini; None: all ``head_dim``).
     """
 
     vocab_size: int
@@ -63,6 +65,7 @@ class LlamaConfig:
     rope_freq_factors: Optional[tuple[float, ...]] = None
     qk_norm: bool = False
     sliding_window: Optional[int] = None
+    rotary_dim: Optional[int] = None
 
 
 class RMSNorm(nn.Module):
@@ -83,11 +86,12 @@ class RMSNorm(nn.Module):
         return add_rms_norm_(x, residual, self.weight, self.eps)
 
 
-SCALED_ROPE_TYPES = ("linear", "llama3")
+SCALED_ROPE_TYPES = ("linear", "llama3", "longrope")
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, rope_scaling: Optional[dict] = None,
-                             freq_factors: Optional[tuple[float, ...]] = None) -> torch.Tensor:
+                             freq_factors: Optional[tuple[float, ...]] = None,
+                             long_factors: bool = False) -> torch.Tensor:
     """RoPE's ``head_dim / 2`` inverse frequencies ``theta ** (-2i / head_dim)``, fp32 on the CPU,
     scaled as ``rope_scaling`` says, with the same fp32 operations as HF
     ``modeling_rope_utils.py`` (so the tables are bitwise transformers'):
@@ -97,15 +101,27 @@ def rope_inverse_frequencies(head_dim: int, theta: float, rope_scaling: Optional
       "original_max_position_embeddings"}`` (Llama 3.1/3.2; ``_compute_llama3_parameters``):
       wavelengths ``2 pi / f`` longer than ``original / low_freq_factor`` are divided by
       ``factor``, those shorter than ``original / high_freq_factor`` kept, and the ones between
-      interpolated linearly in ``original / wavelength``.
+      interpolated linearly in ``original / wavelength``;
+    - ``{"rope_type": "longrope", "short_factor", "long_factor", ...}`` (Phi-3.5/Phi-4-mini,
+      LongRoPE, Ding et al. 2024; ``_compute_longrope_parameters``): frequency ``i`` divided by
+      ``long_factor[i]`` when ``long_factors`` else by ``short_factor[i]`` (which of the two a
+      model uses is ``RotaryEmbedding.use_long_factors``'s choice).
 
+    ``head_dim`` is the rotated width (``rotary_dim`` under partial rotary).
     ``freq_factors`` (llama.cpp's ``rope_freqs.weight``, which its converter computes from the
     llama3 parameters) divides frequency ``i`` by ``freq_factors[i]``, as ``ggml_rope_ext`` does.
 
     Raises:
-        ValueError: a ``rope_type`` other than those two, or ``freq_factors`` of the wrong length.
+        ValueError: a ``rope_type`` other than those, or factors of the wrong length.
     """
     arange = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+    if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+        factors = rope_scaling["long_factor" if long_factors else "short_factor"]
+        if len(factors) != head_dim // 2:
+            raise ValueError(f"longrope has {len(factors)} factors, a rotary dimension of {head_dim} needs "
+                             f"{head_dim // 2}")
+        ext_factors = torch.tensor(factors, dtype=torch.float32, device="cpu")
+        return 1.0 / (ext_factors * theta ** (arange.float() / head_dim))
     inv_freq = 1.0 / (theta ** (arange.float() / head_dim))
     if freq_factors is not None:
         if len(freq_factors) != head_dim // 2:
@@ -133,9 +149,13 @@ def rope_inverse_frequencies(head_dim: int, theta: float, rope_scaling: Optional
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding tables, "rotate half" layout (Su et al. 2021; HF ``apply_rotary_pos_emb``).
 
-    ``cos``/``sin``: ``[max_positions, head_dim]`` fp32; the rotation itself is
-    ``layers.ops.rotary_embedding_``, applied in place to the fused QKV rows.
-    ``rope_scaling``/``freq_factors``: see ``rope_inverse_frequencies``.
+    ``cos``/``sin``: ``[max_positions, rotary_dim]`` fp32, times the scaling's
+    ``attention_factor`` (longrope; HF multiplies its cos/sin by it); the rotation itself is
+    ``layers.ops.rotary_embedding_``, applied in place to the fused QKV rows, to the first
+    ``rotary_dim`` features of each head. ``rope_scaling``/``freq_factors``: see
+    ``rope_inverse_frequencies``.
+
+    A longrope table starts with the short factors; ``use_long_factors`` switches.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, rope_scaling: Optional[dict] = None,
@@ -143,11 +163,30 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         # Plain attributes on the CPU, not buffers: the model may be built on the meta device
         # and cast to bf16, and these must stay exact fp32 tables.
-        inv_freq = rope_inverse_frequencies(head_dim, theta, rope_scaling, freq_factors)
+        self._args = (head_dim, max_positions, theta, rope_scaling, freq_factors)
+        self.long_factors = False
+        self.cos, self.sin = self._tables(False)
+
+    def _tables(self, long_factors: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        head_dim, max_positions, theta, rope_scaling, freq_factors = self._args
+        inv_freq = rope_inverse_frequencies(head_dim, theta, rope_scaling, freq_factors, long_factors)
         freqs = torch.arange(max_positions, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos()
-        self.sin = emb.sin()
+        scale = (rope_scaling or {}).get("attention_factor", 1.0)
+        return (emb.cos() * scale, emb.sin() * scale) if scale != 1.0 else (emb.cos(), emb.sin())
+
+    def use_long_factors(self, long_factors: bool) -> None:
+        """Rebuild the tables with longrope's long (or short) factors, in place of the others.
+
+        Raises:
+            ValueError: ``long_factors`` without longrope scaling.
+        """
+        rope_scaling = self._args[3]
+        if long_factors and (rope_scaling or {}).get("rope_type") != "longrope":
+            raise ValueError("long RoPE factors need rope_type 'longrope'")
+        if long_factors != self.long_factors:
+            self.long_factors = long_factors
+            self.cos, self.sin = self._tables(long_factors)
 
 
 class LlamaAttention(nn.Module):
@@ -177,14 +216,19 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, positions, hidden, kv_cache, metadata, rotary):
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+    def norm_qk_(self, qkv: torch.Tensor) -> None:
+        """Norm q and k inside the fused ``[num_tokens, q + 2 kv]`` rows in place, before RoPE:
+        per head with ``qk_norm`` (Qwen3), else nothing (a subclass may norm otherwise)."""
         if self.q_norm is not None:
-            # Normed per head and written back into the fused rows, which RoPE then rotates in place.
+            num_tokens = qkv.shape[0]
             q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
             q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size))
             k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size))
+
+    def forward(self, positions, hidden, kv_cache, metadata, rotary):
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        self.norm_qk_(qkv)
         rotary_embedding_(qkv, positions, rotary.cos, rotary.sin, self.num_heads, self.num_kv_heads,
                           self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -253,7 +297,8 @@ class LlamaForCausalLM(nn.Module):
         fused_decode: runs the decoder layers of a decode-only step as one C++ call
             (``layers/fused_decode.py``); ``fused_decode.enabled = False`` forces the Python layers.
             None where the layers have another shape: q/k norms (Qwen3), a sliding window
-            (Mistral), or a subclass's own layers (``models/gemma3.py``); the op implements
+            (Mistral), partial rotary (Phi-4-mini), or a subclass's own layers
+            (``models/gemma3.py``); the op implements
             the plain Llama layer only. Off under tensor parallelism: the op runs every layer
             in one call, and the all-reduces must run between its attention and MLP halves.
         unquantized_weight_bytes: the weights' bytes before ``quantize_model`` (None: not quantized).
@@ -279,12 +324,12 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                      config.rope_scaling, config.rope_freq_factors)
+        self.rotary = RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_position_embeddings,
+                                      config.rope_theta, config.rope_scaling, config.rope_freq_factors)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
         self.fused_decode: Optional[FusedDecode] = None
-        if not config.qk_norm and config.sliding_window is None:
+        if not config.qk_norm and config.sliding_window is None and config.rotary_dim in (None, config.head_dim):
             self.fused_decode = FusedDecode(self.layers, self.rotary, config.rms_norm_eps, quantization)
             self.fused_decode.enabled = tp.size == 1
 
@@ -385,13 +430,14 @@ class LlamaForCausalLM(nn.Module):
             if attn.o_proj.bias is not None:
                 put(attn.o_proj, "bias", take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
             mlp = layer.mlp
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(mlp.gate_up_proj, "weight", gate_up, p + "mlp.gate_up_proj.weight")
-            put(mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
-            if mlp.gate_up_proj.bias is not None:
-                gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
-                put(mlp.gate_up_proj, "bias", gate_up_bias, p + "mlp.gate_up_proj.bias")
-                put(mlp.down_proj, "bias", take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
+            if hasattr(mlp, "gate_up_proj"):  # a MoE block has experts instead (models/moe.py loads them)
+                gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                put(mlp.gate_up_proj, "weight", gate_up, p + "mlp.gate_up_proj.weight")
+                put(mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+                if mlp.gate_up_proj.bias is not None:
+                    gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+                    put(mlp.gate_up_proj, "bias", gate_up_bias, p + "mlp.gate_up_proj.bias")
+                    put(mlp.down_proj, "bias", take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
             norms = ["input_layernorm", "post_attention_layernorm"]
             if attn.q_norm is not None:
                 norms += ["self_attn.q_norm", "self_attn.k_norm"]

@@ -21,14 +21,19 @@ import torch
 from pagedllm.huge_pages import move_weights_to_huge_pages
 from pagedllm.layers.quantization import (CHECKPOINT_QUANTIZATION_METHODS, Int4Weight, Int8Weight, int4_from_q4_1,
                                           int4_from_q4_k, quantize_model)
+from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.hf_config import config_from_hf
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedllm.models.mistral import MistralForCausalLM
+from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.olmoe import OlmoeForCausalLM
+from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.quantized_checkpoint import (checkpoint_quantization, pop_quantized_modules,
                                                   read_quantized_weight, weight_shape)
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
+from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
 from pagedllm.models.sharding import TensorParallelShard
 from pagedllm.models.registry import NAMED_MODELS, resolve_named_model
 
@@ -67,15 +72,22 @@ _GGUF_GLOBAL_NAMES = {
 }
 # Hugging Face ``model_type`` -> model class. A class may refine the GGUF conversion with
 # ``gguf_layer_names`` (tensor names that differ from the table above), ``complete_hf_config``
-# (the config.json dict) and ``gguf_tensor_to_hf`` (a tensor's values), and the config with
-# ``config_from_hf`` (see models/gemma3.py).
+# (the config.json dict, from the metadata) and ``finish_hf_config`` (once the tensors are read),
+# ``gguf_tensor_to_hf`` (a tensor's values) and ``gguf_int4_to_hf`` (the 4-bit weights' names),
+# and the config with ``config_from_hf`` (see models/gemma3.py, models/phi3.py).
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
-                 "mistral": MistralForCausalLM, "gemma3_text": Gemma3ForCausalLM}
+                 "mistral": MistralForCausalLM, "phi3": Phi3ForCausalLM, "gemma2": Gemma2ForCausalLM,
+                 "gemma3_text": Gemma3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM,
+                 "olmoe": OlmoeForCausalLM}
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 # GGUF ``general.architecture`` -> Hugging Face ``model_type``. llama.cpp writes Mistral as ``llama``.
-_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
+                     "gemma3": "gemma3_text"}
 _HF_ARCHITECTURE_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                          "gemma3": "Gemma3ForCausalLM"}
+                          "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# llama.cpp's per-frequency longrope factors (Phi-3): GGUF tensor -> the loader's config key.
+_GGUF_ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "rope_long_factor",
+                             "rope_factors_short.weight": "rope_short_factor"}
 # llama.cpp permutes Q/K rows for these architectures only (its "normal" RoPE); qwen2 uses the
 # NEOX ("rotate half") layout that Hugging Face uses, so its rows are stored as they are.
 _ROPE_PERMUTED_ARCHITECTURES = ("llama",)
@@ -377,6 +389,10 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int
             factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             raw_config["rope_freq_factors"] = [float(x) for x in factors]
             continue
+        if tensor.name in _GGUF_ROPE_FACTOR_TENSORS and hasattr(model_class, "finish_hf_config"):
+            factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            raw_config[_GGUF_ROPE_FACTOR_TENSORS[tensor.name]] = [float(x) for x in factors]
+            continue
         name = _gguf_to_hf_name(tensor.name, layer_names)
         if name is None:
             raise ValueError(f"GGUF tensor {tensor.name!r} ({arch}) is not supported: the engine has no use for it")
@@ -399,6 +415,10 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int
         state_dict[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
         if int4 is not None:
             int4_weights[name] = int4
+    if hasattr(model_class, "finish_hf_config"):
+        model_class.finish_hf_config(raw_config)
+    if hasattr(model_class, "gguf_int4_to_hf"):
+        int4_weights = model_class.gguf_int4_to_hf(int4_weights, raw_config)
     return raw_config, state_dict, int4_weights
 
 
@@ -417,16 +437,16 @@ def _check_gguf_metadata(reader, arch: str) -> None:
         head_dim = (_gguf_field(reader, f"{arch}.embedding_length")
                     // _gguf_field(reader, f"{arch}.attention.head_count"))
     rotary = _gguf_field(reader, f"{arch}.rope.dimension_count", head_dim)
-    if rotary != head_dim:
+    if rotary != head_dim and arch != "phi3":
         raise ValueError(f"GGUF {arch}.rope.dimension_count={rotary} is not supported (RoPE over the whole "
                          f"head, {head_dim})")
     experts = _gguf_field(reader, f"{arch}.expert_count", 0)
     if experts:
         raise ValueError(f"GGUF {arch}.expert_count={experts} is not supported (dense models only)")
     window = _gguf_field(reader, f"{arch}.attention.sliding_window", 0)
-    if window and arch != "gemma3":
+    if window and arch not in ("gemma2", "gemma3", "phi3"):
         raise ValueError(f"GGUF {arch}.attention.sliding_window={window} is not supported (full attention; "
-                         "windows for gemma3 only)")
+                         "windows for gemma2, gemma3 and phi3 only)")
 
 
 def _pack_int4(weights: dict[str, Int4Weight]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,144 @@
+"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral, OLMoE): Llama's decoder layer with the MLP
+replaced, in the layers the config names, by a sparse MoE block (``layers/fused_moe.py``).
+
+The families differ in their attention (``models/qwen3_moe.py``: per-head q/k norms;
+``models/mixtral.py``: plain, with an optional window; ``models/olmoe.py``: q/k norms over the
+whole projection and optional clipping), in whether the top-k probabilities are renormalized
+(``norm_topk_prob``; Mixtral always), and in their checkpoint names
+(``MoEForCausalLM.moe_block_name``, ``expert_weight_names``).
+
+Decode runs the Python layers (the fused C++ decode op runs the dense Llama layer only).
+Quantization ``int8``/``int4`` quantizes every expert's two projections like a dense layer's
+(the router stays float, as in vLLM); the activation-quantized methods (``w8a8``, ``w4a8``) and
+checkpoints quantized by other tools are refused. Tensor parallelism is refused (see
+docs/tensor-parallel.md for the split it would take).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagedllm.layers.fused_moe import Expert, fused_experts, route
+from pagedllm.layers.linear import Linear
+from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
+from pagedllm.models.sharding import TensorParallelShard
+
+MOE_QUANTIZATION_METHODS = (None, "int8", "int4")
+
+
+@dataclass
+class MoEConfig(LlamaConfig):
+    """``LlamaConfig`` plus the experts (Hugging Face names).
+
+    ``moe_layers[i]``: layer ``i`` has the MoE block (else a dense ``LlamaMLP`` of
+    ``intermediate_size``: Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``).
+    ``moe_intermediate_size``: each expert's intermediate size. ``norm_topk_prob``: the top-k
+    probabilities are divided by their sum. ``clip_qkv``: q, k and v are clamped to
+    ``[-clip_qkv, clip_qkv]`` (OLMoE; None: not).
+    """
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()
+    clip_qkv: Optional[float] = None
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (``gate``: ``[num_experts, hidden_size]``, no bias) and ``experts``; forward
+    ``[num_tokens, hidden_size]`` -> same, through ``fused_experts``."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.normalize = config.norm_topk_prob
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size)
+                                     for _ in range(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = route(self.gate(x), self.top_k, self.normalize)
+        return fused_experts(x, self.experts, weights, expert_ids)
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """``LlamaForCausalLM`` whose MoE layers' ``mlp`` is a ``SparseMoeBlock``.
+
+    Checkpoint names (HF): ``model.layers.N.{moe_block_name}.gate.weight`` and
+    ``model.layers.N.{moe_block_name}.experts.E.{gate, up, down}.weight`` with the three names
+    of ``expert_weight_names``.
+
+    Raises:
+        ValueError: ``tp.size > 1``; a quantization other than int8/int4; a config whose
+            ``moe_layers`` does not cover every layer or whose top-k is not within the experts.
+    """
+
+    moe_block_name = "mlp"
+    expert_weight_names = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, config: MoEConfig, dtype: torch.dtype = torch.float32,
+                 quantization: Optional[str] = None, tp: TensorParallelShard = TensorParallelShard()) -> None:
+        if tp.size != 1:
+            raise ValueError(f"{config.architecture} (mixture of experts) runs with tensor_parallel_size=1 only, "
+                             f"got {tp.size}")
+        if quantization not in MOE_QUANTIZATION_METHODS:
+            raise ValueError(f"quantization={quantization!r} is not supported for mixture-of-experts models "
+                             f"(supported: {', '.join(str(m) for m in MOE_QUANTIZATION_METHODS)})")
+        if len(config.moe_layers) != config.num_hidden_layers:
+            raise ValueError(f"moe_layers names {len(config.moe_layers)} layers, the model has "
+                             f"{config.num_hidden_layers}")
+        if not 0 < config.num_experts_per_tok <= config.num_experts:
+            raise ValueError(f"num_experts_per_tok={config.num_experts_per_tok} must be in [1, num_experts="
+                             f"{config.num_experts}]")
+        super().__init__(config, dtype, quantization, tp)
+        for layer, is_moe in zip(self.layers, config.moe_layers):
+            if is_moe:
+                layer.mlp = SparseMoeBlock(config)
+        self.requires_grad_(False)
+        self.fused_decode = None
+
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """As ``LlamaForCausalLM.load_hf_state_dict`` (which loads the dense ``LlamaMLP`` layers
+        only), plus each MoE layer's router and experts (gate and up fused per expert).
+
+        Raises:
+            ValueError: a tensor is missing or has the wrong shape.
+        """
+        super().load_hf_state_dict(state_dict)
+        gate, up, down = self.expert_weight_names
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer.mlp, SparseMoeBlock):
+                continue
+            block = f"model.layers.{i}.{self.moe_block_name}."
+            _load_linear(layer.mlp.gate, _take(state_dict, block + "gate.weight"), block + "gate.weight", self.dtype)
+            for e, expert in enumerate(layer.mlp.experts):
+                p = f"{block}experts.{e}."
+                gate_up = torch.cat([_take(state_dict, p + gate + ".weight"), _take(state_dict, p + up + ".weight")])
+                _load_linear(expert.gate_up_proj, gate_up, p + "gate_up_proj.weight", self.dtype)
+                _load_linear(expert.down_proj, _take(state_dict, p + down + ".weight"), p + down + ".weight",
+                             self.dtype)
+
+
+def _take(state_dict: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in state_dict:
+        raise ValueError(f"weight {name!r} missing from the checkpoint")
+    return state_dict[name]
+
+
+def _load_linear(linear: Linear, weight: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    try:
+        linear.set_weight(weight, dtype)
+    except ValueError as exc:
+        raise ValueError(f"weight {name!r}: {exc}") from None
+
+
+def moe_layers(num_layers: int, mlp_only_layers=(), decoder_sparse_step: int = 1) -> tuple[bool, ...]:
+    """Which layers have the MoE block (HF ``Qwen3MoeDecoderLayer``): those not in
+    ``mlp_only_layers`` whose ``index + 1`` is a multiple of ``decoder_sparse_step``."""
+    return tuple(i not in set(mlp_only_layers) and (i + 1) % decoder_sparse_step == 0 for i in range(num_layers))
+

@@ -1,0 +1,130 @@
+"""Gemma 2 (attention and final logit soft-capping, alternating sliding window,
+query_pre_attn_scalar, four norms per layer) against Hugging Face transformers fp32, from a
+Hugging Face folder and from a GGUF written as llama.cpp's converter writes one
+(convert_hf_to_gguf.py ``Gemma2Model``: norms stored plus one).
+
+Caps of 5 and 10 (Gemma 2 ships 50 and 30) so that both move the result: the test also checks
+that the uncapped model does not pass. Tolerances: greedy tokens equal; prompt logprobs within
+``LOGPROB_TOL`` (1e-4, tests/test_model_families.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pagedllm.layers.attention import AttentionMetadata, PrefillSequence, paged_attention
+from pagedllm.models.loader import build_model, load_checkpoint
+from tests.test_model_families import (LOGPROB_TOL, assert_parity, hf_reference, load_gguf, pagedllm_run,
+                                       random_prompts, save_tiny_hf)
+
+GEMMA2 = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=5.0,
+              final_logit_softcapping=10.0, hidden_activation="gelu_pytorch_tanh")
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma2")
+    hf = save_tiny_hf("gemma2", folder, **GEMMA2)
+    config, state_dict = load_checkpoint(folder)
+    return hf, config, state_dict
+
+
+def test_gemma2_config(tiny_gemma2):
+    _, config, _ = tiny_gemma2
+    assert (config.architecture, config.qk_norm, config.layer_types) == (
+        "gemma2", False, ("sliding_attention", "full_attention"))
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping, config.query_pre_attn_scalar,
+            config.sliding_window, config.tie_word_embeddings) == (5.0, 10.0, 24.0, 16, True)
+
+
+def test_gemma2_equals_transformers(tiny_gemma2):
+    """40-token prompts: the window of 16 cuts the local layer's prefill and decode."""
+    hf, config, state_dict = tiny_gemma2
+    model = build_model(config, state_dict, torch.float32)
+    prompts = random_prompts(40, 5)
+    assert_parity(hf, model, prompts)
+    # Chunks of 12 tokens: the capped attention over a cached prefix, window included.
+    assert_parity(hf, model, prompts[:1], max_num_batched_tokens=12)
+    # Without either cap the same weights give other logprobs (the caps are computed, not skipped).
+    _, expected = hf_reference(hf, prompts[0])
+    for uncapped in ({"attn_logit_softcapping": None}, {"final_logit_softcapping": None}):
+        other = build_model(dataclasses.replace(config, **uncapped), state_dict, torch.float32)
+        (_, logprobs), = pagedllm_run(other, prompts[:1])
+        assert max(abs(a - b) for a, b in zip(logprobs, expected)) > 100 * LOGPROB_TOL
+
+
+def test_softcapped_decode_equals_softcapped_prefill():
+    """A capped decode row (torch decode path) equals the last row of the capped prefill of
+    the same sequence (torch prefill path), window included."""
+    torch.manual_seed(0)
+    block_size, num_blocks, heads, kv_heads, head_dim, n = 4, 8, 4, 2, 16, 11
+    key_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim)
+    value_cache = torch.zeros_like(key_cache)
+    q, k, v = (torch.randn(n, h, head_dim) * 3 for h in (heads, kv_heads, kv_heads))
+    table = torch.tensor([3, 1, 5])
+    slots = table[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
+    prefill = paged_attention(q, k, v, key_cache, value_cache,
+                              AttentionMetadata(slots, prefills=[PrefillSequence(0, n, n, table)]), 0.25, 5, 2.0)
+    decode = paged_attention(q[-1:], k[-1:], v[-1:], key_cache, value_cache,
+                             AttentionMetadata(slots[-1:], 1, table[None], torch.tensor([n])), 0.25, 5, 2.0)
+    torch.testing.assert_close(decode, prefill[-1:], rtol=0, atol=1e-6)
+    uncapped = paged_attention(q[-1:], k[-1:], v[-1:], key_cache, value_cache,
+                               AttentionMetadata(slots[-1:], 1, table[None], torch.tensor([n])), 0.25, 5)
+    assert (uncapped - decode).abs().max() > 1e-2
+
+
+def write_gemma2_gguf(path, hf) -> None:
+    """``hf`` as llama.cpp's ``Gemma2Model`` converter writes it (fp32, no tokenizer)."""
+    import gguf
+
+    c = hf.config
+    writer = gguf.GGUFWriter(str(path), "gemma2")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_vocab_size(c.vocab_size)
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+             "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for name, tensor in hf.state_dict().items():
+        array = tensor.float().numpy() + (1 if name.endswith("norm.weight") else 0)
+        if name == "lm_head.weight":
+            continue
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", array)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", array)
+        else:
+            layer, rest = name[len("model.layers."):].split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            writer.add_tensor(f"blk.{layer}.{names[module]}.{kind}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gemma2_gguf_equals_transformers(tmp_path):
+    """query_pre_attn_scalar is not in the file: llama.cpp takes head_dim (16 here)."""
+    hf = save_tiny_hf("gemma2", tmp_path, **{**GEMMA2, "query_pre_attn_scalar": 16})
+    write_gemma2_gguf(tmp_path / "m.gguf", hf)
+    config, state_dict = load_gguf(tmp_path / "m.gguf")
+    assert (config.architecture, config.attn_logit_softcapping, config.final_logit_softcapping,
+            config.query_pre_attn_scalar, config.layer_types) == (
+        "gemma2", 5.0, 10.0, 16.0, ("sliding_attention", "full_attention"))
+    assert_parity(hf, build_model(config, state_dict, torch.float32), random_prompts(40))
