@@ -16,7 +16,7 @@ from pagedllm import LLM
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.models.dummy import DummyStateDict, hf_weight_shapes, load_dummy_checkpoint
-from pagedllm.models.loader import build_model, load_checkpoint, load_prequantized
+from pagedllm.models.loader import MODEL_CLASSES, build_model, load_checkpoint, load_prequantized
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import tiny_config, tiny_state_dict
 
@@ -133,5 +133,35 @@ def test_bad_load_format_options_are_refused(kwargs, message):
 def test_dummy_refuses_what_it_cannot_build(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
         load_dummy_checkpoint(str(tmp_path), torch.float32)
-    with pytest.raises(ValueError, match="qwen3_moe"):
-        load_dummy_checkpoint(str(CONFIGS / "Qwen3-30B-A3B.json"), torch.float32)
+    config = json.loads((CONFIGS / "tiny-llama.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "rwkv"}))
+    with pytest.raises(ValueError, match="rwkv"):
+        load_dummy_checkpoint(str(tmp_path), torch.float32)
+
+
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, vocab_size=256, max_position_embeddings=512, pad_token_id=0)
+_MOE = {"qwen3_moe": dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+        "olmoe": dict(num_experts=4, num_experts_per_tok=2)}
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_CLASSES))
+def test_dummy_names_and_shapes_equal_a_transformers_checkpoint(tmp_path, model_type):
+    """Every supported architecture: the dummy mapping holds exactly the tensors (names, shapes)
+    that transformers' ``save_pretrained`` writes for the same config, and the engine builds and
+    decodes from it."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **_SMALL, **_MOE.get(model_type, {}))
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    engine_config, weights = load_dummy_checkpoint(str(tmp_path / "config.json"), torch.float32)
+    assert hf_weight_shapes(engine_config) == saved
+    llm = LLM(model=str(tmp_path / "config.json"), load_format="dummy", num_gpu_blocks_override=16,
+              max_model_len=64, block_size=4)
+    output, = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True),
+                           use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 3

@@ -20,6 +20,7 @@ import torch
 
 from pagedllm.models.hf_config import config_from_hf
 from pagedllm.models.llama import LlamaConfig
+from pagedllm.models.moe import MoEConfig
 
 # Half-width of the uniform draw: the standard deviation of transformers' initializer_range
 # (0.02) is 0.0346 / sqrt(3); a realistic activation scale, unlike vLLM's 1e-3.
@@ -47,20 +48,31 @@ def dummy_config_file(model: str) -> Path:
 def hf_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every weight a Hugging Face checkpoint of ``config`` holds, by name, with its shape
     (``[out_features, in_features]`` for a projection): what ``load_hf_state_dict`` of the
-    family's model class reads. No ``lm_head.weight`` when the embeddings are tied."""
+    family's model class reads, as transformers' ``save_pretrained`` names them (Phi-3's fused
+    ``qkv_proj``/``gate_up_proj``, a MoE layer's router and experts in place of its MLP). No
+    ``lm_head.weight`` when the embeddings are tied."""
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    gemma = config.architecture == "gemma3_text"
+    gemma = config.architecture in ("gemma2", "gemma3_text")  # four norms per layer
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     for layer in range(config.num_hidden_layers):
         p = f"model.layers.{layer}."
-        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                       p + "mlp.down_proj.weight": (h, i),
+        shapes.update({p + "self_attn.o_proj.weight": (h, q),
                        p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if config.architecture == "phi3":  # fused projections in the checkpoint
+            shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+        else:
+            shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                           p + "self_attn.v_proj.weight": (kv, h)})
+        if isinstance(config, MoEConfig) and config.moe_layers[layer]:
+            shapes.update(_expert_shapes(config, p))
+        elif config.architecture == "phi3":
+            shapes.update({p + "mlp.gate_up_proj.weight": (2 * i, h), p + "mlp.down_proj.weight": (h, i)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                           p + "mlp.down_proj.weight": (h, i)})
         if config.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
@@ -68,10 +80,27 @@ def hf_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if config.mlp_bias:
             shapes.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)})
-        if config.qk_norm or gemma:
+        if config.architecture == "olmoe":  # normed across heads
+            shapes.update({p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)})
+        elif config.qk_norm or config.architecture == "gemma3_text":
             shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
         if gemma:
             shapes.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
+    return shapes
+
+
+def _expert_shapes(config: MoEConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A MoE layer's router and experts, under its family's checkpoint names (``moe.py``)."""
+    from pagedllm.models.loader import MODEL_CLASSES
+
+    model_class = MODEL_CLASSES[config.architecture]
+    block = prefix + model_class.moe_block_name + "."
+    gate, up, down = model_class.expert_weight_names
+    h, i = config.hidden_size, config.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {block + "gate.weight": (config.num_experts, h)}
+    for expert in range(config.num_experts):
+        p = f"{block}experts.{expert}."
+        shapes.update({p + gate + ".weight": (i, h), p + up + ".weight": (i, h), p + down + ".weight": (h, i)})
     return shapes
 
 
