@@ -99,3 +99,16 @@ def test_envs_parse_values_and_defaults(monkeypatch, tmp_path):
     assert envs.PAGEDLLM_PEERS_DIR == tmp_path / "cache" / "peers"
     with pytest.raises(AttributeError):
         getattr(envs, "PAGEDLLM_" + "NOT_DECLARED")  # split: the test above would find the name
+
+
+def test_manifests_name_the_images_deploy_dockerfile_builds():
+    """Every ``image:`` of deploy/kubernetes (the Deployment, KubeRay's pods) is a tag that
+    deploy/Dockerfile's usage lines build, and deploy/build_and_smoke.sh builds the Deployment's."""
+    built = set(re.findall(r"docker build -f deploy/Dockerfile .*?-t (\S+) \.", (ROOT / "deploy" / "Dockerfile").read_text()))
+    named = {}
+    for manifest in sorted((ROOT / "deploy" / "kubernetes").rglob("*.yaml")):
+        for image in re.findall(r"^\s*image:\s*(\S+)", manifest.read_text(), flags=re.M):
+            named[image] = manifest.relative_to(ROOT)
+    assert named and set(named) <= built, (named, built)
+    assert "IMAGE=${IMAGE:-pagedllm:0.1.0}" in (ROOT / "deploy" / "build_and_smoke.sh").read_text()
+    assert "pagedllm:0.1.0" in named and "pagedllm-ray:0.1.0" in named
