@@ -25,6 +25,7 @@ CACHE=${PAGEDLLM_CACHE_DIR:-$HOME/.cache/pagedllm}
 PY=${PAGEDLLM_PYTHON:-$ROOT/.venv/bin/python}
 WHEELS=$CACHE/docker-wheelhouse
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
+docker info >/dev/null 2>&1 || { echo "FAIL: no docker daemon answers (apt-get install docker.io; dockerd &)"; exit 1; }
 
 if [ -z "${BASE_IMAGE:-}" ]; then
     if docker image inspect python:3.11-slim >/dev/null 2>&1; then
