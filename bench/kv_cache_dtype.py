@@ -1,6 +1,6 @@
 """Decode attention over a bfloat16 and an int8 KV cache, alternated in one process.
 
-    python bench/kv_cache_dtype.py [--seqs 64] [--context 450] [--layers 30] [--rounds 4]
+    .venv/bin/python bench/kv_cache_dtype.py [--seqs 64] [--context 450] [--layers 30] [--rounds 4]
 
 A decode batch at SmolLM2's shapes (9 query heads, 3 KV heads of 64) reads ``--layers`` layers'
 caches in turn, as a step does: 30 layers of 64 x 450 tokens are 0.66 GiB in bf16, far past the

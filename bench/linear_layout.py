@@ -1,7 +1,7 @@
 """Dense matmul three ways: ``F.linear`` by a ``[out, in]`` weight, ``torch.mm`` by a
 ``[in, out]`` one, and oneDNN's ``_linear_pointwise`` by a weight packed once.
 
-    python bench/linear_layout.py [--threads 2] [--dtype bfloat16] [--rows 1 8 16 32 64 2048]
+    .venv/bin/python bench/linear_layout.py [--threads 2] [--dtype bfloat16] [--rows 1 8 16 32 64 2048]
 
 For SmolLM2-135M's four per-layer projections (QKV 576->960, O 576->576, gate/up 576->3072,
 down 1536->576) it times one layer's four matmuls each way at each row count, alternating them

@@ -5,7 +5,7 @@ prompts of 256 tokens (a ``prefix_id``); prompt lengths are log-normal (median ~
 capped at 6,000), outputs uniform in 16-256 tokens. Seeded, so the same command writes the
 same file.
 
-    python bench/make_trace.py --requests 200 --rate 0.2 > trace.jsonl
+    .venv/bin/python bench/make_trace.py --requests 200 --rate 0.2 > trace.jsonl
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python bench/memory.py [options]`` = ``pagedllm bench memory [options]``.
+"""``.venv/bin/python bench/memory.py [options]`` = ``pagedllm bench memory [options]``.
 
 The implementation lives in ``pagedllm/benchmarks/memory.py`` so that the installed
 ``pagedllm`` command has it too.

@@ -18,7 +18,7 @@ concurrency, prefix-cache hits, elapsed time and output throughput. The engine i
 from outside: its scheduler's ``schedule`` is wrapped to read the blocks in use and the
 running batch right after each schedule (the replay's measuring point).
 
-    python bench/planner_validation.py [--cost-model FILE] [--rate 1.5]
+    .venv/bin/python bench/planner_validation.py [--cost-model FILE] [--rate 1.5]
 
 The cost model is calibrated first (or read from ``--cost-model`` if that file exists).
 """

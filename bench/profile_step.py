@@ -1,6 +1,6 @@
 """Where one engine step spends its time: a decode step and a prefill step at batch 1, 16, 64.
 
-    python bench/profile_step.py [--dtype float32] [--context 300] [--repeats 5]
+    .venv/bin/python bench/profile_step.py [--dtype float32] [--context 300] [--repeats 5]
 
 Decode at batch B: B sequences each with ``--context`` tokens in the KV cache compute one
 token. Prefill at batch B: B prompts of ``min(512, 2048 // B)`` tokens each (one step of the

@@ -6,7 +6,7 @@ activations times int8 codes blocked for VPDPBUSD; bf16 input), for SmolLM2/Qwen
 from decode (1) to prefill chunks (2048).
 
 Prints milliseconds (best of ``--repeats``) and each method's time relative to fp32 in the same
-run (below 1 is faster). ``python bench/quant_matmul.py [--threads N] [--repeats R]``
+run (below 1 is faster). ``.venv/bin/python bench/quant_matmul.py [--threads N] [--repeats R]``
 """
 
 import argparse

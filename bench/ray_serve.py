@@ -1,8 +1,8 @@
 """Ray Serve replicas (``pagedllm serve --replicas``): prefix-aware routing against Serve's
 default router on a shared-system-prompt workload, and autoscaling on queue length.
 
-    python bench/ray_serve.py routing --replicas 2                  # both routers, one run
-    python bench/ray_serve.py autoscale --replicas 1 --max-replicas 2
+    .venv/bin/python bench/ray_serve.py routing --replicas 2                  # both routers, one run
+    .venv/bin/python bench/ray_serve.py autoscale --replicas 1 --max-replicas 2
 
 ``routing``: one Ray instance; the same application is deployed with ``--router prefix``, then
 with ``--router pow2`` (Serve's default, power of two choices), each time with fresh replicas

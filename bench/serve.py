@@ -1,8 +1,8 @@
 """Online serving benchmark: the throughput workload sent to a running ``pagedllm serve``.
 
     pagedllm serve --port 8000 &
-    python bench/serve.py --base-url http://127.0.0.1:8000 --request-rate 2
-    python bench/serve.py --max-concurrency 8          # closed loop, 8 clients
+    .venv/bin/python bench/serve.py --base-url http://127.0.0.1:8000 --request-rate 2
+    .venv/bin/python bench/serve.py --max-concurrency 8          # closed loop, 8 clients
 
 Requests are the 64 of ``pagedllm bench throughput`` (prompts of 32-512 tokens cut from
 shipped public-domain text, 32-256 output tokens, greedy, ``ignore_eos``), sent as token ids to

@@ -1,7 +1,7 @@
 """Soak test of a running ``pagedllm serve``: many mixed requests, then checks that nothing leaked.
 
     pagedllm serve --port 8000 --api-key sk-local --kv-cache-memory-bytes 16000000 &
-    python bench/soak.py --url http://127.0.0.1:8000 --api-key sk-local --requests 2000 --concurrency 16
+    .venv/bin/python bench/soak.py --url http://127.0.0.1:8000 --api-key sk-local --requests 2000 --concurrency 16
 
 ``--requests`` requests are sent by ``--concurrency`` clients, each drawn at random (seeded):
 

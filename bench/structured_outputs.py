@@ -2,7 +2,7 @@
 request unconstrained vs every request under a JSON schema, in the same process (alternated); plus the
 mask work alone (fill + apply) per step.
 
-    PYTHONPATH=. python bench/structured_outputs.py [--batches 1 64] [--steps 16] [--dtype float32]
+    .venv/bin/python bench/structured_outputs.py [--batches 1 64] [--steps 16] [--dtype float32]
 
 The schema forces a long string (``minLength``), so no request ends before ``--steps`` decode
 steps and both runs time the same batch shapes. Reported: median decode-step time (ms) and the

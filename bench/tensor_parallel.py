@@ -2,9 +2,9 @@
 configuration, with the all-reduces' count, bytes and time per step; and a gloo all-reduce
 and shared-memory all-reduce micro-benchmark (2 processes, one CPU each) over message sizes.
 
-    python bench/tensor_parallel.py --model qwen2.5-coder-0.5b --threads 2
-    python bench/tensor_parallel.py --model qwen2.5-coder-0.5b --tensor-parallel-size 2 --tp-cores "0;1"
-    python bench/tensor_parallel.py --allreduce-micro
+    .venv/bin/python bench/tensor_parallel.py --model qwen2.5-coder-0.5b --threads 2
+    .venv/bin/python bench/tensor_parallel.py --model qwen2.5-coder-0.5b --tensor-parallel-size 2 --tp-cores "0;1"
+    .venv/bin/python bench/tensor_parallel.py --allreduce-micro
 
 The workload is ``pagedllm bench throughput``'s (prompts cut from the shipped text, greedy,
 ``ignore_eos``), made small (``--num-requests``, shorter lengths) for a 2-core machine.

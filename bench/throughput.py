@@ -1,4 +1,4 @@
-"""``python bench/throughput.py [options]`` = ``pagedllm bench throughput [options]``.
+"""``.venv/bin/python bench/throughput.py [options]`` = ``pagedllm bench throughput [options]``.
 
 The implementation lives in ``pagedllm/benchmarks/throughput.py`` so that the installed
 ``pagedllm`` command has it too.

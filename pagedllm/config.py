@@ -343,14 +343,31 @@ def kv_cache_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, 
     return 2 * num_layers * block_size * num_kv_heads * kv_row_width(head_dim, dtype) * element_size
 
 
-def machine_memory() -> tuple[int, int]:
-    """``(total, available)`` bytes of system memory, from /proc/meminfo."""
+def machine_memory(cgroup_dir: str = "/sys/fs/cgroup") -> tuple[int, int]:
+    """``(total, available)`` bytes of memory this process may use: /proc/meminfo's, capped by its
+    cgroup's memory limit less the cgroup's usage where a limit is set (cgroup v2 ``memory.max``,
+    v1 ``memory.limit_in_bytes``). In a container with a memory limit (a Kubernetes pod's
+    ``limits.memory``, ``docker run --memory``) /proc/meminfo shows the node's memory, and a KV
+    pool sized from it is OOM-killed."""
     values = {}
     with open("/proc/meminfo") as f:
         for line in f:
             key, rest = line.split(":", 1)
             values[key] = int(rest.split()[0]) * 1024
-    return values["MemTotal"], values.get("MemAvailable", values["MemFree"])
+    total, available = values["MemTotal"], values.get("MemAvailable", values["MemFree"])
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            with open(os.path.join(cgroup_dir, limit_file)) as f:
+                limit = f.read().strip()
+            with open(os.path.join(cgroup_dir, usage_file)) as f:
+                usage = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if limit != "max":  # v1's "no limit" is a huge number, which min() leaves out
+            total, available = min(total, int(limit)), min(available, max(0, int(limit) - usage))
+        break
+    return total, available
 
 
 def process_memory() -> int:

@@ -81,7 +81,11 @@ def select_variant(flags: frozenset[str] | None = None, requested: str | None = 
         ValueError: ``requested`` names no variant, or one this CPU cannot execute (the missing
             flags are named); or the CPU executes none of them (not x86-64, or no AVX2).
     """
-    requested = os.environ.get(ISA_ENV) if requested is None else requested
+    if requested is None:
+        # Imported here: setup.py runs this file alone, without the pagedllm package.
+        from pagedllm import envs
+
+        requested = envs.PAGEDLLM_ISA
     flags = cpu_flags() if flags is None else flags
     runnable = executable_variants(flags)
     if requested:

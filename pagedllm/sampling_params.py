@@ -183,7 +183,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: Optional[int] = None
     stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: list[int] = field(default_factory=list)
     bad_words: Optional[list[str]] = None
     ignore_eos: bool = False
     max_tokens: Optional[int] = 16
@@ -371,6 +371,7 @@ def _check_number(name: str, value: object) -> None:
 
 def _check_range(name: str, value: object, low: float, high: float) -> None:
     _check_number(name, value)
+    assert isinstance(value, (int, float))  # _check_number raised otherwise
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
 

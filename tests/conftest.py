@@ -17,13 +17,11 @@ TINY_VOCAB = 256
 def pytest_terminal_summary(terminalreporter) -> None:
     """Which build of the C++ ops this run tested, and which variants the CPU could run (the
     others' tests, in ``test_native_build.py``, are reported as skipped with the reason)."""
-    import os
-
-    from pagedllm import cpu_isa
+    from pagedllm import cpu_isa, envs
     from pagedllm.layers import ops
 
     runnable = ", ".join(v.name for v in cpu_isa.executable_variants()) or "none"
-    if os.environ.get(ops.NATIVE_OPS_ENV, "1") == "0":
+    if not envs.PAGEDLLM_NATIVE_OPS:
         loaded = "off (PAGEDLLM_NATIVE_OPS=0)"
     elif ops.native_ops() is None:
         loaded = f"not loaded ({ops.native_ops_error()})"

@@ -178,7 +178,7 @@ def test_the_docs_options_table_is_the_one_engine_args_generates(capsys):
 
 
 def test_no_tracked_file_names_a_developer_machines_path():
-    """Scripts and docs use repository-relative paths (./.venv, $PEERS_DIR), never one
+    """Scripts and docs use repository-relative paths (./.venv, $PAGEDLLM_PEERS_DIR), never one
     machine's layout (/work/venv, /root/...)."""
     import re
     import subprocess

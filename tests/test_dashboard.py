@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pagedllm import envs
 from pagedllm.engine.kv_snapshot import CACHED_FREE, FREE, IN_USE, SHARED, KVCacheSnapshot, KVCounters, RequestBlocks
 from tests.test_server import REPO_ROOT, ServerProcess, slowed, tiny_chat_engine
 
@@ -194,7 +195,7 @@ def test_dashboard_matches_debug_kv_and_highlights_a_block_table(server, browser
         events = page.inner_text("#events")
         assert "fork" in events and "copy" in events
         assert "waiting (1)" in page.inner_text("#reqbody") and "running (6)" in page.inner_text("#reqbody")
-        update = os.environ.get("PAGEDLLM_UPDATE_SCREENSHOT") == "1"
+        update = envs.PAGEDLLM_UPDATE_SCREENSHOT
         screenshot = SCREENSHOT if update else tmp_path / "dashboard.png"
         page.screenshot(path=str(screenshot), full_page=True)
         assert screenshot.stat().st_size > 10_000

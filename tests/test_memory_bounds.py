@@ -124,3 +124,30 @@ def test_warm_kv_cache_option_faults_the_pool_in_at_start():
     assert outputs[0] == outputs[1] and len(outputs[0]) == 12
     with pytest.raises(ValueError, match="warm_kv_cache must be True or False, got 1"):
         EngineArgs.from_kwargs(warm_kv_cache=1).verify()
+
+
+def test_machine_memory_is_capped_by_the_cgroup_memory_limit(tmp_path):
+    """In a container with a memory limit /proc/meminfo shows the node's memory: the KV budget
+    must come from the cgroup's limit less its usage (v2 ``memory.max``, v1 ``memory.limit_in_bytes``)."""
+    from pagedllm.config import machine_memory
+
+    with open("/proc/meminfo") as f:
+        meminfo_total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert machine_memory(str(tmp_path))[0] == meminfo_total  # no cgroup files: /proc/meminfo's
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{1 << 30}\n")
+    (v2 / "memory.current").write_text(f"{256 << 20}\n")
+    total, available = machine_memory(str(v2))
+    assert total == min(meminfo_total, 1 << 30) and available <= (1 << 30) - (256 << 20)
+    (v2 / "memory.max").write_text("max\n")
+    assert machine_memory(str(v2))[0] == meminfo_total
+
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{512 << 20}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{600 << 20}\n")
+    assert machine_memory(str(tmp_path / "v1")) == (min(meminfo_total, 512 << 20), 0)
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert machine_memory(str(tmp_path / "v1"))[0] == meminfo_total

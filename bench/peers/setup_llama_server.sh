@@ -2,13 +2,13 @@
 # Builds llama.cpp's llama-server (the llama.cpp vendored in llama-cpp-python 0.3.36's source
 # package, the same one setup_llama_cpp.sh builds) with GGML_NATIVE, statically linked, and
 # copies it to OUT_DIR/llama-server, for serve_compare.sh (SYSTEMS=llama-server).
-#   bash bench/peers/setup_llama_server.sh [OUT_DIR]   (default $PEERS_DIR, itself /tmp/peers by
-#   default; 20+ minutes on 2 cores)
+#   bash bench/peers/setup_llama_server.sh [OUT_DIR]   (default $PAGEDLLM_PEERS_DIR, itself
+#   $PAGEDLLM_CACHE_DIR/peers by default; 20+ minutes on 2 cores)
 # Env: PIP (default OUT_DIR/llama-venv/bin/pip, setup_llama_cpp.sh's venv) downloads the source
 # package and, if there is no cmake on PATH, installs cmake beside itself.
 # No network at build time: no curl/openssl, no prebuilt web UI download (the UI is left empty).
 set -euo pipefail
-OUT=${1:-${PEERS_DIR:-/tmp/peers}}
+OUT=${1:-${PAGEDLLM_PEERS_DIR:-${PAGEDLLM_CACHE_DIR:-$HOME/.cache/pagedllm}/peers}}
 VERSION=0.3.36
 PIP=${PIP:-$OUT/llama-venv/bin/pip}
 WORK=$(mktemp -d)

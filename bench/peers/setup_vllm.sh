@@ -3,14 +3,15 @@
 # Benchmarks only; never part of CI. About 3.4 GB of disk, a few minutes.
 #
 #   bash bench/peers/setup_vllm.sh [VENV_DIR] [MODEL_DIR]
-#        defaults: $PEERS_DIR/vllm-venv  $PEERS_DIR/smollm2-hf
-# Env: PEERS_DIR (default /tmp/peers) holds the peers' venvs, models and logs;
+#        defaults: $PAGEDLLM_PEERS_DIR/vllm-venv  $PAGEDLLM_PEERS_DIR/smollm2-hf
+# Env: PAGEDLLM_PEERS_DIR (default $PAGEDLLM_CACHE_DIR/peers, ~/.cache/pagedllm/peers) holds the
+#      peers' venvs, models and logs (docs/environment-variables.md);
 #      PAGEDLLM_PYTHON (default the repository's .venv/bin/python, made by ./install.sh) is the
 #      python with pagedllm + transformers.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-PEERS_DIR=${PEERS_DIR:-/tmp/peers}
+PEERS_DIR=${PAGEDLLM_PEERS_DIR:-${PAGEDLLM_CACHE_DIR:-$HOME/.cache/pagedllm}/peers}
 VENV=${1:-$PEERS_DIR/vllm-venv}
 MODEL=${2:-$PEERS_DIR/smollm2-hf}
 PY=${PAGEDLLM_PYTHON:-$ROOT/.venv/bin/python}

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from compare import run_one
 
+from pagedllm import envs
+
 HERE = Path(__file__).resolve().parent
 BUDGET = 1 << 30
 CONFIGS = ["none", "int8", "int4", "w8a8", "w4a8"]
@@ -56,7 +58,7 @@ def pagedllm_worker(prompt_path: str, config: str, model: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    peers_dir = os.environ.get("PEERS_DIR", "/tmp/peers")  # the peers' venvs, models and logs
+    peers_dir = str(envs.PAGEDLLM_PEERS_DIR)  # the peers' venvs, models and logs
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--llama-venv", default=os.path.join(peers_dir, "llama-venv"))
     parser.add_argument("--model", default="smollm2-135m", help="pagedllm model (default smollm2-135m)")

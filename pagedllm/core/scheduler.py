@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request import Request, RequestId, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class Scheduler:
         self.priority_aging_interval = priority_aging_interval
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[RequestId, Request] = {}
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------------------- queues
@@ -127,7 +127,7 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+    def finish_requests(self, request_ids: Iterable[RequestId], status: RequestStatus) -> list[Request]:
         """End requests now (abort): free their blocks and drop them from the queues.
 
         Unknown or already finished ids are ignored. Returns the requests that were ended.
@@ -231,7 +231,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- update
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: dict[str, int]) -> list[Request]:
+                           sampled_token_ids: dict[RequestId, int]) -> list[Request]:
         """Advance progress after the model ran; append sampled tokens; finish requests.
 
         Args:

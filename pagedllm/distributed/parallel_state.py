@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -27,6 +26,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from pagedllm import envs
 from pagedllm.distributed.shm_all_reduce import ShmAllReduce
 
 
@@ -68,7 +68,7 @@ all_reduce_stats = AllReduceStats()
 
 def data_timeout_s() -> float:
     """Seconds a collective inside a step may wait for the other ranks (``PAGEDLLM_TP_TIMEOUT_S``)."""
-    return float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "120"))
+    return envs.PAGEDLLM_TP_TIMEOUT_S
 
 
 def init_distributed_environment(rank: int, world_size: int, port: int, shm_path: Optional[str] = None,

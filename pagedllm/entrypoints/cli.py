@@ -11,11 +11,11 @@ from typing import Optional, Sequence
 from pagedllm.config import DEFAULT_MAX_REQUEST_BODY_BYTES, EngineArgs
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, log_level: str = "WARNING") -> None:
     """Engine options shared by every subcommand (``EngineArgs``' fields, vLLM flag names),
     and ``--log-level``."""
     EngineArgs.add_cli_args(parser)
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    parser.add_argument("--log-level", default=log_level, help=f"logging level (default {log_level})")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -165,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
     add_serve_args(serve)
-    add_engine_args(serve)
-    serve.set_defaults(func=cmd_serve, log_level="INFO")
+    add_engine_args(serve, log_level="INFO")
+    serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -26,13 +26,13 @@ at 1-4 rows, 1.0-1.2x at 16-64, 0.92-0.96x at 512-2048 (prefill), with one copy 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.layers.ops import native_ops
 
 
@@ -48,13 +48,13 @@ def packing_available(dtype: torch.dtype) -> bool:
     ``PAGEDLLM_PACK_WEIGHTS=0`` turns packing off (and ``Linear.pack``'s bf16 tiles with it),
     ``=1`` forces it on for float32 as well.
     """
-    setting = os.environ.get("PAGEDLLM_PACK_WEIGHTS")
-    if setting == "0" or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn,
+    setting = envs.PAGEDLLM_PACK_WEIGHTS
+    if setting is False or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn,
                                                                                  "_reorder_linear_weight"):
         return False
     if dtype == torch.bfloat16:
         return _onednn_bf16_supported()
-    return setting == "1" or _cpu_vendor() != "GenuineIntel"
+    return setting is True or _cpu_vendor() != "GenuineIntel"
 
 
 @functools.lru_cache(maxsize=1)
@@ -124,7 +124,7 @@ class Linear(nn.Module):
         where ``packing_available`` says no for its dtype)."""
         if self.packed is not None or self.blocked is not None:
             return True
-        if os.environ.get("PAGEDLLM_PACK_WEIGHTS") == "0":
+        if envs.PAGEDLLM_PACK_WEIGHTS is False:
             return False
         if (self.weight_t.dtype == torch.bfloat16 and self.out_features % BF16_TILE == 0 and self.in_features % 2 == 0
                 and native_ops() is not None):

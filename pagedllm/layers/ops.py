@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from pagedllm import cpu_isa
+from pagedllm import cpu_isa, envs
 from pagedllm.config import KV_SCALE_BYTES
 
 logger = logging.getLogger(__name__)
@@ -78,7 +77,7 @@ def load_native_ops():
 def native_ops_error() -> Optional[str]:
     """Why the C++ ops cannot be used (None when they can, or when ``PAGEDLLM_NATIVE_OPS=0``
     asked for the torch path)."""
-    if os.environ.get(NATIVE_OPS_ENV, "1") == "0":
+    if not envs.PAGEDLLM_NATIVE_OPS:
         return None
     try:
         load_native_ops()
@@ -97,9 +96,9 @@ def native_ops():
         ValueError: ``PAGEDLLM_ISA`` names no variant, or one this CPU cannot run: a variant
             asked for by name is never replaced by the torch path without a word.
     """
-    if os.environ.get(NATIVE_OPS_ENV, "1") == "0":
+    if not envs.PAGEDLLM_NATIVE_OPS:
         return None
-    if os.environ.get(cpu_isa.ISA_ENV):
+    if envs.PAGEDLLM_ISA:
         cpu_isa.select_variant()
     error = native_ops_error()
     if error is not None:

@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pagedllm import envs
 from pagedllm.huge_pages import move_weights_to_huge_pages
 from pagedllm.layers.quantization import (CHECKPOINT_QUANTIZATION_METHODS, Int4Weight, Int8Weight, int4_from_q4_1,
                                           int4_from_q4_k, quantize_model)
@@ -95,7 +96,7 @@ _ROPE_PERMUTED_ARCHITECTURES = ("llama",)
 
 def cache_dir() -> Path:
     """Where converted artifacts go: ``$PAGEDLLM_CACHE_DIR`` or ``~/.cache/pagedllm``."""
-    return Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
+    return envs.PAGEDLLM_CACHE_DIR
 
 
 def resolve_model_path(model: Optional[str]) -> Path:

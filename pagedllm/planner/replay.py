@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request
+from pagedllm.core.request import Request, RequestId
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.stats import ModelInfo
@@ -85,10 +85,12 @@ class RequestRecord:
 
     @property
     def queue_delay(self) -> float:
+        assert self.first_scheduled is not None, "read after the replay ends: every request was scheduled"
         return self.first_scheduled - self.arrival_time
 
     @property
     def ttft(self) -> float:
+        assert self.first_token is not None, "read after the replay ends: every request has a token"
         return self.first_token - self.arrival_time
 
     @property
@@ -96,6 +98,7 @@ class RequestRecord:
         """Mean seconds per output token after the first (None for a one-token output)."""
         if self.output_tokens < 2:
             return None
+        assert self.finish_time is not None and self.first_token is not None, "read after the replay ends"
         return (self.finish_time - self.first_token) / (self.output_tokens - 1)
 
 
@@ -156,7 +159,7 @@ def replay(trace: Sequence[TraceRequest], config: PlanConfig, cost_model: CostMo
         tokenizer=None, block_size=config.block_size, num_blocks=config.num_blocks,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens))
     result = ReplayResult(config)
-    records: dict[str, RequestRecord] = {}
+    records: dict[RequestId, RequestRecord] = {}
     clock = result.start_time = trace[0].arrival_time if trace else 0.0
     next_index = 0
     while next_index < len(trace) or scheduler.has_unfinished_requests():
@@ -214,7 +217,7 @@ def replay(trace: Sequence[TraceRequest], config: PlanConfig, cost_model: CostMo
 
 
 def _admit(trace_request: TraceRequest, index: int, processor: InputProcessor, scheduler: Scheduler,
-           records: dict[str, RequestRecord], result: ReplayResult) -> None:
+           records: dict[RequestId, RequestRecord], result: ReplayResult) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=trace_request.output_tokens, ignore_eos=True)
     try:
         processed = processor.process(trace_request.request_id, list(trace_request.prompt_token_ids), params,

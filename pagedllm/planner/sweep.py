@@ -72,7 +72,7 @@ def default_max_model_lens(trace: Sequence[TraceRequest]) -> list[Optional[int]]
 
 def build_configs(space: SweepSpace, cost_model: CostModel) -> list[tuple[Optional[PlanConfig], str]]:
     """Every combination as ``(config, "")``, or ``(None, why)`` for one the engine refuses."""
-    configs = []
+    configs: list[tuple[Optional[PlanConfig], str]] = []
     max_position = cost_model.facts.max_position_embeddings
     for budget, max_model_len, seqs, batched, block_size, caching in itertools.product(
             space.kv_cache_bytes, space.max_model_lens, space.max_num_seqs, space.max_num_batched_tokens,
@@ -151,9 +151,9 @@ def recommend(rows: Sequence[SweepRow]) -> tuple[int, str]:
                f"{m.num_requests - m.num_rejected} of {m.num_requests} requests are served ({m.num_rejected} "
                "fit no configuration swept)")
     budget = config.kv_cache_bytes or 0
-    cheaper_good = sorted({rows[i].config.kv_cache_bytes for i in candidates
-                           if (rows[i].config.kv_cache_bytes or 0) < budget})
-    cheaper_any = sorted({row.config.kv_cache_bytes for row in rows if (row.config.kv_cache_bytes or 0) < budget})
+    cheaper_good = sorted({size for i in candidates
+                           if (size := rows[i].config.kv_cache_bytes) is not None and size < budget})
+    cheaper_any = sorted({size for row in rows if (size := row.config.kv_cache_bytes) is not None and size < budget})
     if cheaper_good:
         why_memory = (f"smaller budgets ({', '.join(format_size(b) for b in cheaper_good)}) lose more than 5 % of "
                       "throughput or p95 TTFT")
@@ -260,8 +260,8 @@ def write_plots(row: SweepRow, directory: Path) -> list[Path]:
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, name, values in ((axes[0], "TTFT (s)", [r.ttft for r in row.result.requests]),
                              (axes[1], "TPOT (ms)", [1e3 * r.tpot for r in row.result.requests if r.tpot is not None])):
-        values = np.sort(values)
-        ax.step(values, np.arange(1, len(values) + 1) / max(1, len(values)), where="post")
+        ordered = np.sort(values)
+        ax.step(ordered, np.arange(1, len(ordered) + 1) / max(1, len(ordered)), where="post")
         ax.set(xlabel=name, ylabel="fraction of requests", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
     figure.suptitle(f"Predicted latency CDF\n{title}")

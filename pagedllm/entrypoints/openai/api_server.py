@@ -41,7 +41,6 @@ import asyncio
 import importlib
 import json
 import logging
-import os
 import re
 import socket
 import time
@@ -59,6 +58,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
+from pagedllm import envs
 from pagedllm.config import DEFAULT_MAX_REQUEST_BODY_BYTES, EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
@@ -564,9 +564,9 @@ def server_api_keys(args: argparse.Namespace) -> tuple[Optional[str], list[APIKe
     api_keys = []
     if args.api_keys_file:
         api_keys = load_api_keys(args.api_keys_file)
-    elif os.environ.get("PAGEDLLM_API_KEYS"):
-        api_keys = parse_api_keys(os.environ["PAGEDLLM_API_KEYS"], "$PAGEDLLM_API_KEYS")
-    return args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None, api_keys
+    elif envs.PAGEDLLM_API_KEYS:
+        api_keys = parse_api_keys(envs.PAGEDLLM_API_KEYS, "$PAGEDLLM_API_KEYS")
+    return args.api_key or envs.PAGEDLLM_API_KEY, api_keys
 
 
 def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
