@@ -106,7 +106,7 @@ def capacity_row(facts: ModelFacts, kv_cache_bytes: int, max_model_len: int, num
                         enable_prefix_caching=False, kv_cache_bytes=kv_cache_bytes)
     result = replay(long_document_trace(num_requests, max_model_len, facts.vocab_size), config, unit_steps)
     metrics = summarize(result)
-    return CapacityRow(model=Path(facts.model).stem, kv_cache_dtype=facts.kv_cache_dtype,
+    return CapacityRow(model=Path(facts.model or "model").stem, kv_cache_dtype=facts.kv_cache_dtype,
                        bytes_per_token=facts.bytes_per_block(block_size) // block_size, max_model_len=max_model_len,
                        kv_cache_bytes=kv_cache_bytes, contiguous_requests=metrics.contiguous_max_len_concurrency,
                        paged_peak_requests=metrics.peak_concurrency, paged_mean_requests=metrics.mean_concurrency,
