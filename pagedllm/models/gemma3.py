@@ -194,6 +194,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                                             config.rope_local_base_freq)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.fused_decode = None
+        self.lora_context = None
         self.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
