@@ -29,10 +29,11 @@ SPECS = [dict(rank=8, seed=1, target_modules=ALL_TARGETS),
          dict(rank=8, seed=3, target_modules=["gate_proj", "up_proj", "down_proj", "k_proj"], use_rslora=True)]
 
 
-def hf_tiny_model(seed: int = 0):
+def hf_tiny_model(seed: int = 0, ours=None):
+    """HF's Llama with the weights of ``build_model(ours, tiny_state_dict(ours, seed))``."""
     import transformers
 
-    ours = tiny_config()
+    ours = ours or tiny_config()
     config = transformers.LlamaConfig(
         vocab_size=ours.vocab_size, hidden_size=ours.hidden_size, intermediate_size=ours.intermediate_size,
         num_hidden_layers=ours.num_hidden_layers, num_attention_heads=ours.num_attention_heads,
@@ -294,3 +295,51 @@ def test_refused_options(tmp_path, tiny_engine_factory):
     with pytest.raises(ValueError, match="no adapter_model.safetensors"):
         engine.add_request("r", [1, 2], SamplingParams(max_tokens=2), lora_request=LoRARequest("a", 1, str(tmp_path)))
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_smollm2_adapters_and_base_in_one_batch_equal_peft(tmp_path):
+    """SmolLM2-135M, fp32: two adapters (ranks 8 and 16, the second rsLoRA on q/v/down) and the
+    base model in one batch, each prompt's greedy tokens equal to transformers + PEFT."""
+    from transformers import LlamaForCausalLM as HFLlama
+
+    from pagedllm.models.loader import model_folder, resolve_model_path
+
+    hf = HFLlama.from_pretrained(str(model_folder(resolve_model_path(None))), dtype=torch.float32).eval()
+    engine = LLMEngine(EngineArgs.from_kwargs(dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+                                              kv_cache_memory_bytes=64 * 2**20, max_model_len=512))
+    tokenizer = engine.tokenizer
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "def fibonacci(n):",
+                                                   "List three colors of the rainbow:")]
+    specs = [dict(rank=8, seed=11, target_modules=ALL_TARGETS, scale=0.03),
+             dict(rank=16, seed=12, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True, scale=0.03)]
+    paths, references = adapters_and_references(hf, tmp_path, specs, prompts, MAX_TOKENS)
+    del hf
+    for index in range(len(specs)):
+        assert references[index] != references[-1]
+    requests = [LoRARequest(f"smol{i}", i + 1, str(path)) for i, path in enumerate(paths)]
+    jobs = [(prompt, lora) for prompt in prompts for lora in [*requests, None]]
+    steps = record_steps(engine)
+    outputs = generate(engine, jobs)
+    assert outputs == [references[i][j] for j in range(len(prompts)) for i in range(len(specs) + 1)]
+    assert any(len(mapping.ranges) == 2 for mapping, _ in steps)
+
+
+def test_stats_name_running_and_waiting_adapters(tiny_adapters):
+    """``make_stats`` (what ``vllm:lora_requests_info`` reads): after one step under
+    max_loras=1, the first adapter's sequence runs and the second's waits."""
+    requests, prompts, _ = tiny_adapters
+    engine = tiny_lora_engine(max_loras=1)
+    params = SamplingParams(temperature=0.0, max_tokens=3, n=2)
+    engine.add_request("a", {"prompt_token_ids": prompts[1]}, params, lora_request=requests[0])
+    engine.add_request("b", {"prompt_token_ids": prompts[1]}, params, lora_request=requests[1])
+    engine.add_request("c", {"prompt_token_ids": prompts[1]}, params)
+    stats = engine.make_stats()
+    assert stats.running_lora_adapters == () and stats.waiting_lora_adapters == (("adapter0", 1), ("adapter1", 1))
+    engine.step()
+    stats = engine.make_stats()
+    # n=2: the first sample forked its sibling when its prompt was computed.
+    assert stats.running_lora_adapters == (("adapter0", 2),) and stats.waiting_lora_adapters == (("adapter1", 1),)
+    assert stats.num_running_reqs == 4
+    run_to_completion(engine)
+    assert engine.make_stats().running_lora_adapters == ()
