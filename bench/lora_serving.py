@@ -111,6 +111,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per engine (MiB)")
     parser.add_argument("--rounds", type=int, default=2, help="alternated runs of each way (best kept)")
+    parser.add_argument("--cores", type=int, default=None,
+                        help="cores to share out (default: this process's CPU affinity)")
     args = parser.parse_args()
 
     from pagedllm.models.loader import load_checkpoint, resolve_model_path
@@ -120,7 +122,7 @@ def main() -> None:
     n = args.adapters
     prompts = [[rng.randrange(config.vocab_size) for _ in range(args.prompt_tokens)]
                for _ in range(n * args.requests_per_adapter)]
-    cores = len(os.sched_getaffinity(0))
+    cores = args.cores or len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as root:
         paths = [str(Path(root) / f"adapter{i}") for i in range(n)]
         for i, path in enumerate(paths):
