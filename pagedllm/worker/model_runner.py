@@ -190,7 +190,8 @@ class ModelRunner:
 
     def execute_step(self, step: StepInputs) -> torch.Tensor:
         """Copy-on-write, then the forward of ``step``: ``[num_tokens, hidden_size]`` hidden
-        states (what every tensor-parallel rank runs; rank 0 then samples)."""
+        states (what every tensor-parallel rank runs; rank 0 then samples). With a
+        ``lora_mapping`` its adapters are made active and their rows get their LoRA terms."""
         if step.blocks_to_copy:
             self.copy_blocks(step.blocks_to_copy)
         if step.lora_mapping is None:
