@@ -23,10 +23,14 @@ peft = pytest.importorskip("peft", reason="peft (the test extra) makes the adapt
 
 MAX_TOKENS = 10
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Three adapters: ranks 8 and 16, every target / attention only / MLP only, rsLoRA on the third.
+# Three adapters: ranks 8 and 16, every target / attention only / MLP and k only; the second's
+# v_proj of rank 4 (rank_pattern: ranks differ inside the fused q/k/v), the third rsLoRA on the
+# last layer only (layers_to_transform).
 SPECS = [dict(rank=8, seed=1, target_modules=ALL_TARGETS),
-         dict(rank=16, seed=2, target_modules=["q_proj", "v_proj", "o_proj"], lora_alpha=32),
-         dict(rank=8, seed=3, target_modules=["gate_proj", "up_proj", "down_proj", "k_proj"], use_rslora=True)]
+         dict(rank=16, seed=2, target_modules=["q_proj", "v_proj", "o_proj"], lora_alpha=32,
+              rank_pattern={"v_proj": 4}),
+         dict(rank=8, seed=3, target_modules=["gate_proj", "up_proj", "down_proj", "k_proj"], use_rslora=True,
+              layers_to_transform=[1])]
 
 
 def hf_tiny_model(seed: int = 0, ours=None):
