@@ -87,7 +87,8 @@ class Scheduler:
     so every one of them stays loaded while it runs. A waiting request whose adapter would be
     one too many is passed over, in place, and the requests behind it are admitted
     (vLLM v1's ``scheduled_loras`` check); it is admitted once a running adapter's requests
-    are done.
+    are done, so while requests of the running adapters keep arriving it keeps waiting (as in
+    vLLM: no aging across adapters).
 
     Args:
         kv_cache_manager: owner of the block tables.
