@@ -4,10 +4,11 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.llm import LLM
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
            "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "StructuredOutputsParams",
-           "GuidedDecodingParams"]
+           "GuidedDecodingParams", "LoRARequest"]
 __version__ = "0.1.0"

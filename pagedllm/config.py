@@ -138,6 +138,15 @@ class EngineArgs:
                 "and one fp32 scale: 1.9x the tokens of bfloat16 (head_dim 64), at a small "
                 "perplexity cost (docs/models-and-quantization.md). float32 under bfloat16 compute is refused",
         choices=tuple(_KV_CACHE_DTYPES))
+    enable_lora: bool = _option(
+        False, "serve LoRA adapters (PEFT folders) over the base model: requests name one with a "
+               "LoRARequest (the server: the adapter's name as `model`); rows of different adapters "
+               "and of none run in one batch (docs/lora.md)")
+    max_loras: int = _option(1, "most LoRA adapters in use at once (by running requests, so in one step)")
+    max_lora_rank: int = _option(16, "highest LoRA rank an adapter may have; higher ones are refused")
+    max_cpu_loras: Optional[int] = _option(
+        None, "most LoRA adapters kept in memory as read from disk (an LRU; default: max_loras); "
+              "one dropped is read again when a request needs it")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -252,6 +261,17 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
         if self.tp_cores is not None:
             parse_tp_cores(self.tp_cores, tp_size)
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank") + (("max_cpu_loras",) if self.max_cpu_loras is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and tp_size > 1:
+            raise ValueError(f"enable_lora with tensor_parallel_size={tp_size} is not supported (the "
+                             "adapters' A/B are not sharded): use tensor_parallel_size=1")
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported "
                              "(use 1; tensor_parallel_size splits a model over processes)")

@@ -10,6 +10,7 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagedllm.config import EngineArgs
 from pagedllm.core.kv_cache_manager import KVCacheStats
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -62,13 +63,16 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
         """Run every prompt to completion, all batched together.
 
         Args:
             prompts: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of those.
             sampling_params: one for all prompts, or one per prompt.
             use_tqdm: show a progress bar.
+            lora_request: a LoRA adapter for all prompts, or one (or None) per prompt
+                (``enable_lora``); prompts of different adapters run in the same batches.
 
         Returns:
             One finished ``RequestOutput`` per prompt, in input order.
@@ -90,17 +94,25 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
-        return self._run(prompts, params_list, use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompts)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompts):
+                raise ValueError(f"got {len(lora_list)} lora_requests for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm, lora_list)
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False,
+             lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the model's chat template.
 
         Args:
             messages: one conversation (a list of ``{"role", "content"}``) or a list of them.
                 A message without ``content`` renders as empty text, as the server does.
+            lora_request: as in ``generate``: one adapter for all, or one per conversation.
 
         Returns:
             One ``RequestOutput`` per conversation.
@@ -115,7 +127,7 @@ class LLM:
         prompts = [{"prompt_token_ids": self.encode_chat(conv, add_generation_prompt,
                                                          continue_final_message)}
                    for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def encode_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False) -> list[int]:
@@ -138,16 +150,16 @@ class LLM:
         return self.llm_engine.input_processor.encode(text, "messages", add_special_tokens=False)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, lora_list: list[Optional[LoRARequest]]) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids = []
         # Only the final outputs are read here: skip building the intermediate ones (vLLM too).
         final_only = {id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list}
         params_list = [final_only[id(p)] for p in params_list]
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lora_request in zip(prompts, params_list, lora_list):
                 request_id = str(next(self._counter))
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, lora_request=lora_request)
                 request_ids.append(request_id)
         except Exception:
             engine.abort_request(request_ids)

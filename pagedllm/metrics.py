@@ -97,7 +97,9 @@ class EngineMetrics:
         model_info: the engine's fixed facts; given, the KV cache's configuration is exported as
             the labels of ``pagedllm:cache_config_info`` and ``vllm:cache_config_info`` (value 1):
             block_size (tokens), cache_dtype, num_gpu_blocks (vLLM's name for the pool's blocks)
-            and bytes_per_block.
+            and bytes_per_block; with LoRA on (``max_loras > 0``) ``vllm:lora_requests_info`` too:
+            labels ``max_lora``, ``running_lora_adapters`` and ``waiting_lora_adapters`` (adapter
+            names, comma-separated, sorted), value the Unix time of the snapshot (vLLM's gauge).
 
     Every update method swallows and logs its own exceptions: metrics must never take the
     engine loop down (case B31).
@@ -165,6 +167,14 @@ class EngineMetrics:
             for prefix in ("pagedllm", "vllm"):
                 Gauge(f"{prefix}:cache_config_info", "KV cache configuration, in the labels (value 1).",
                       [*labels, *info], registry=self.registry).labels(model_name, *info.values()).set(1)
+        # vLLM's LoRA info gauge: its labels say which adapters running and waiting sequences
+        # use; the value is when that was seen (Unix seconds). One series: the newest.
+        self.lora_requests_info: Optional[Gauge] = None
+        self._max_loras = str(model_info.max_loras) if model_info is not None else "0"
+        if model_info is not None and model_info.max_loras:
+            self.lora_requests_info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                            registry=self.registry)
 
         self._requests: dict[str, _RequestStats] = {}
         self._last_step_recorded = 0
@@ -256,6 +266,11 @@ class EngineMetrics:
             self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - self._prefix_hits_seen))
             self._prefix_queries_seen = max(self._prefix_queries_seen, stats.prefix_cache_queries)
             self._prefix_hits_seen = max(self._prefix_hits_seen, stats.prefix_cache_hits)
+            if self.lora_requests_info is not None:
+                self.lora_requests_info.clear()
+                self.lora_requests_info.labels(
+                    self._max_loras, ",".join(name for name, _ in stats.waiting_lora_adapters),
+                    ",".join(name for name, _ in stats.running_lora_adapters)).set_to_current_time()
         except Exception:
             logger.exception("metrics: reading the engine's stats failed (the engine keeps running)")
 

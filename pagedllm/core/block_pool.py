@@ -36,7 +36,8 @@ class BlockHash(NamedTuple):
             a hit also compares ``token_ids``, ``extra_keys`` and the parent block's
             ``cache_id``, so a collision can never return another prefix's KV.
         token_ids: the block's ``block_size`` token ids.
-        extra_keys: other inputs the KV depends on (``cache_salt`` in a sequence's first block).
+        extra_keys: other inputs the KV depends on (``cache_salt`` and the LoRA adapter id in a
+            sequence's first block).
     """
 
     value: int

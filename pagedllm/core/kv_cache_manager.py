@@ -66,6 +66,18 @@ class SharingEvent(NamedTuple):
     dst_block_id: Optional[int] = None
 
 
+def request_extra_keys(request: Request) -> tuple:
+    """The first block's extra keys: the ``cache_salt`` (a string) and the LoRA adapter's
+    ``lora_int_id`` (an int), each when set (vLLM's ``generate_block_hash_extra_keys``). The
+    K/V of a prompt depends on the adapter, so no block is shared across adapters."""
+    keys: tuple = ()
+    if request.cache_salt is not None:
+        keys += (request.cache_salt,)
+    if request.lora_request is not None:
+        keys += (request.lora_request.lora_int_id,)
+    return keys
+
+
 class KVCacheManager:
     """Maps each request to the physical blocks that hold its tokens (its block table).
 
@@ -74,8 +86,9 @@ class KVCacheManager:
 
     Prefix caching: the key of a request's full block ``i`` is chained,
     ``hash_fn((key of block i-1, token ids of block i, extra keys))``, with the request's
-    ``cache_salt`` as the first block's extra key, so two requests share block ``i`` only if
-    all tokens up to its end and their salts are equal. A block is cached by ``cache_blocks``
+    ``cache_salt`` and LoRA adapter id as the first block's extra keys (``request_extra_keys``),
+    so two requests share block ``i`` only if all tokens up to its end, their salts and their
+    adapters are equal. A block is cached by ``cache_blocks``
     after the step that wrote its K/V, never before.
 
     Sharing: ``fork`` gives a child the parent's table (ref count + 1 per block). Before a
@@ -135,8 +148,7 @@ class KVCacheManager:
             block_tokens = tuple(token_ids[index * block_size:(index + 1) * block_size])
             assert len(block_tokens) == block_size, "only full blocks have a key"
             parent_value = hashes[-1].value if hashes else None
-            salt = request.cache_salt
-            extra_keys = (salt,) if index == 0 and salt is not None else ()
+            extra_keys = request_extra_keys(request) if index == 0 else ()
             hashes.append(BlockHash(self.hash_fn((parent_value, block_tokens, extra_keys)),
                                     block_tokens, extra_keys))
         return hashes[:num_blocks]

@@ -8,6 +8,7 @@ from typing import Optional, Union
 
 import torch
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarState
@@ -52,6 +53,8 @@ class Request:
             only with ``sampling_params.prompt_logprobs``.
         cumulative_logprob: sum of the raw logprobs of the generated tokens.
         cache_salt: extra prefix-cache key; requests with different salts never share blocks.
+        lora_request: the LoRA adapter it runs with (None: the base model). Also a prefix-cache
+            key: requests of different adapters (or one with and one without) never share blocks.
         priority: scheduling priority under the ``priority`` policy: lower runs first (vLLM's
             convention); ignored under ``fcfs``.
         num_cached_tokens: prompt tokens that were prefix-cache hits when the request was
@@ -70,7 +73,8 @@ class Request:
 
     def __init__(self, request_id: RequestId, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  max_tokens: int, eos_token_id: Optional[int], arrival_time: Optional[float] = None,
-                 seed_offset: int = 0, cache_salt: Optional[str] = None, priority: int = 0) -> None:
+                 seed_offset: int = 0, cache_salt: Optional[str] = None, priority: int = 0,
+                 lora_request: Optional[LoRARequest] = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -89,12 +93,18 @@ class Request:
         self.cumulative_logprob = 0.0
         self.generator: Optional[torch.Generator] = None
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
         self.priority = priority
         self.num_cached_tokens = -1
         self.pending_forks: list[Request] = []
         self.grammar: Optional[GrammarState] = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed + seed_offset)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's ``lora_int_id``, 0 without one (vLLM's convention)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

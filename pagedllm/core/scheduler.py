@@ -31,11 +31,14 @@ class SchedulerOutput:
         preempted: requests whose blocks were taken back during this schedule call.
         blocks_to_copy: ``(src_block_id, dst_block_id)`` copy-on-write copies to apply
             before the forward.
+        lora_ids_in_use: the LoRA adapters (``lora_int_id``) of every running request after
+            this schedule, scheduled in this step or not; at most ``max_loras`` of them.
     """
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    lora_ids_in_use: frozenset[int] = frozenset()
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -80,6 +83,13 @@ class Scheduler:
     ``schedule()`` call (at ``now``) and both queues are sorted with it, which costs
     O(n log n) in the queue lengths per step.
 
+    LoRA (``max_loras`` set): the running requests use at most ``max_loras`` distinct adapters,
+    so every one of them stays loaded while it runs. A waiting request whose adapter would be
+    one too many is passed over, in place, and the requests behind it are admitted
+    (vLLM v1's ``scheduled_loras`` check); it is admitted once a running adapter's requests
+    are done, so while requests of the running adapters keep arriving it keeps waiting (as in
+    vLLM: no aging across adapters).
+
     Args:
         kv_cache_manager: owner of the block tables.
         max_num_seqs: most requests running at once.
@@ -88,6 +98,7 @@ class Scheduler:
         policy: ``"fcfs"`` or ``"priority"``.
         priority_aging_interval: seconds of waiting worth one priority level under
             ``priority`` (0: no aging; a low priority can then starve).
+        max_loras: most distinct LoRA adapters among running requests (None: LoRA is off).
 
     Raises:
         ValueError: an unknown policy or a negative ``priority_aging_interval``.
@@ -95,7 +106,7 @@ class Scheduler:
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs",
-                 priority_aging_interval: float = 0.0) -> None:
+                 priority_aging_interval: float = 0.0, max_loras: Optional[int] = None) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         if not priority_aging_interval >= 0:
@@ -106,6 +117,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.policy = policy
         self.priority_aging_interval = priority_aging_interval
+        self.max_loras = max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
@@ -194,8 +206,14 @@ class Scheduler:
 
         # Nobody was preempted this step, so there is room to admit new work.
         num_seats_taken = len(self.running) + sum(len(r.pending_forks) for r in self.running)
+        lora_ids = {r.lora_int_id for r in self.running} - {0}
+        passed_over: list[Request] = []
         while self.waiting and token_budget > 0 and not output.preempted:
             request = self.waiting[0]
+            lora_id = request.lora_int_id
+            if self.max_loras is not None and lora_id and lora_id not in lora_ids and len(lora_ids) >= self.max_loras:
+                passed_over.append(self.waiting.popleft())
+                continue
             num_seats = 1 + len(request.pending_forks)
             if num_seats_taken + num_seats > self.max_num_seqs:
                 break
@@ -212,13 +230,19 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if lora_id:
+                lora_ids.add(lora_id)
             num_seats_taken += num_seats
             output.scheduled.append((request, num_new_tokens))
             token_budget -= num_new_tokens
 
+        self.waiting.extendleft(reversed(passed_over))
         # Keep the running list in policy order so that the tail is always the preemption victim.
         self.running.sort(key=key)
         output.blocks_to_copy = self.kv_cache_manager.take_pending_copies()
+        if self.max_loras is not None:
+            output.lora_ids_in_use = frozenset(r.lora_int_id for r in self.running) - {0}
+            assert len(output.lora_ids_in_use) <= self.max_loras, output.lora_ids_in_use
         return output
 
     def _preempt(self, request: Request) -> None:

@@ -55,6 +55,7 @@ from pagedllm.engine.kv_snapshot import KVCacheSnapshot
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.request_log import RequestLog
 from pagedllm.engine.stats import LoadStats, LoadTracker, ModelInfo, SchedulerStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -165,6 +166,17 @@ class _Add:
     priority: int
     stream: RequestStream
     ack: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    lora_request: Optional[LoRARequest] = None
+
+
+@dataclass
+class _UpdateLoRA:
+    """Load (``lora_request``) or unload (``lora_int_id``) an adapter on the engine thread."""
+
+    lora_request: Optional[LoRARequest]
+    lora_int_id: int
+    result: asyncio.Future
     loop: asyncio.AbstractEventLoop
 
 
@@ -318,9 +330,10 @@ class AsyncLLMEngine:
         return len(self._active)
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          cache_salt: Optional[str] = None, priority: int = 0) -> RequestStream:
-        """Queue a request and return its stream once the engine accepted it (``priority``:
-        as ``LLMEngine.add_request``).
+                          cache_salt: Optional[str] = None, priority: int = 0,
+                          lora_request: Optional[LoRARequest] = None) -> RequestStream:
+        """Queue a request and return its stream once the engine accepted it (``priority``,
+        ``lora_request``: as ``LLMEngine.add_request``).
 
         Raises:
             ValueError: a duplicate in-flight ``request_id`` or anything ``LLMEngine.add_request``
@@ -345,7 +358,7 @@ class AsyncLLMEngine:
         ack = loop.create_future()
         self._active[request_id] = stream
         self._commands.put(_Add(stream.engine_request_id, prompt, params, time.monotonic(), cache_salt,
-                                priority, stream, ack, loop))
+                                priority, stream, ack, loop, lora_request))
         try:
             await ack
         except asyncio.CancelledError:
@@ -363,6 +376,31 @@ class AsyncLLMEngine:
         stream = self._active.get(request_id)
         if stream is not None:
             stream.abort(error)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """``LLMEngine.add_lora`` on the engine thread (between two steps).
+
+        Raises:
+            ValueError: as ``LLMEngine.add_lora``.
+            EngineDeadError: the engine loop is not running.
+        """
+        return await self._update_lora(lora_request, lora_request.lora_int_id)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """``LLMEngine.remove_lora`` on the engine thread.
+
+        Raises:
+            EngineDeadError: the engine loop is not running.
+        """
+        return await self._update_lora(None, lora_int_id)
+
+    async def _update_lora(self, lora_request: Optional[LoRARequest], lora_int_id: int) -> bool:
+        if self.dead_error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine loop is not running ({self.dead_error!r})")
+        loop = asyncio.get_running_loop()
+        result = loop.create_future()
+        self._commands.put(_UpdateLoRA(lora_request, lora_int_id, result, loop))
+        return await result
 
     async def get_kv_snapshot(self) -> KVCacheSnapshot:
         """The block pool as it is now: taken by the engine thread between two steps (so this
@@ -510,6 +548,8 @@ class AsyncLLMEngine:
             elif isinstance(command, _TakeKVSnapshot):
                 self._publish_kv_snapshot(asked=True)
                 _call_soon(command.loop, _set_result, command.result, self.kv_snapshot)
+            elif isinstance(command, _UpdateLoRA):
+                self._update_lora_now(command)
             else:
                 self._abort(command)
             try:
@@ -542,7 +582,7 @@ class AsyncLLMEngine:
             try:
                 engine.add_request(command.engine_request_id, command.prompt, command.params,
                                    arrival_time=command.arrival_time, cache_salt=command.cache_salt,
-                                   priority=command.priority)
+                                   priority=command.priority, lora_request=command.lora_request)
             except ValueError as exc:
                 error = exc
             except Exception as exc:  # noqa: BLE001 - a request must never kill the loop
@@ -558,6 +598,19 @@ class AsyncLLMEngine:
             self._publish_stats()
             self._kv_changed = True
         _call_soon(command.loop, _resolve, command.ack, error)
+
+    def _update_lora_now(self, command: _UpdateLoRA) -> None:
+        try:
+            if command.lora_request is not None:
+                done = self.engine.add_lora(command.lora_request)
+            else:
+                done = self.engine.remove_lora(command.lora_int_id)
+        except Exception as exc:  # noqa: BLE001 - a bad adapter file must never kill the loop
+            if not isinstance(exc, ValueError):
+                exc = ValueError(f"the LoRA adapter could not be loaded: {type(exc).__name__}: {exc}")
+            _call_soon(command.loop, _resolve, command.result, exc)
+            return
+        _call_soon(command.loop, _set_result, command.result, done)
 
     def _abort(self, command: _Abort) -> None:
         self.engine.abort_request(command.engine_request_id)
@@ -616,7 +669,7 @@ class AsyncLLMEngine:
                 return
             if isinstance(command, _Add):
                 _call_soon(command.loop, _resolve, command.ack, error)
-            elif isinstance(command, _TakeKVSnapshot):
+            elif isinstance(command, (_TakeKVSnapshot, _UpdateLoRA)):
                 _call_soon(command.loop, _resolve, command.result, error)
 
 

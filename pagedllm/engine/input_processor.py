@@ -19,6 +19,7 @@ from typing import Any, Container, Optional, Union
 
 from pagedllm.engine.stats import ModelInfo
 from pagedllm.engine.token_span import token_span
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import CompiledGrammar
 from pagedllm.utils import cdiv, check_utf8
@@ -40,6 +41,7 @@ class ProcessedRequest:
         cache_salt: prefix-cache isolation key, or None.
         arrival_time: ``time.monotonic()`` of its arrival.
         grammar: the compiled ``structured_outputs`` constraint, or None.
+        lora_request: the LoRA adapter it runs with, or None.
     """
 
     request_id: str
@@ -50,6 +52,7 @@ class ProcessedRequest:
     cache_salt: Optional[str]
     arrival_time: float
     grammar: Optional[CompiledGrammar] = None
+    lora_request: Optional[LoRARequest] = None
 
 
 class InputProcessor:
@@ -67,11 +70,12 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                 arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
-                in_flight: Container[str] = ()) -> ProcessedRequest:
+                in_flight: Container[str] = (), lora_request: Optional[LoRARequest] = None) -> ProcessedRequest:
         """Tokenize and check one request (see ``LLMEngine.add_request`` for the forms).
 
         Args:
             in_flight: the ids of unfinished requests; a duplicate is refused.
+            lora_request: the adapter (checked here: its type, and that LoRA is enabled).
 
         Raises:
             ValueError: what ``LLMEngine.add_request`` documents.
@@ -90,11 +94,17 @@ class InputProcessor:
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}")
         if request_id in in_flight:
             raise ValueError(f"request_id {request_id!r} is already in flight")
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            if not self.model_info.max_loras:
+                raise ValueError(f"request {request_id!r} asks for LoRA adapter {lora_request.lora_name!r}, "
+                                 "but LoRA is off: start the engine with enable_lora=True (--enable-lora)")
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         max_tokens = self.check_prompt(prompt_token_ids, params)
         return ProcessedRequest(request_id, prompt_text, prompt_token_ids, params, max_tokens, cache_salt,
                                 time.monotonic() if arrival_time is None else arrival_time,
-                                self.compile_grammar(params))
+                                self.compile_grammar(params), lora_request)
 
     def compile_grammar(self, params: SamplingParams) -> Optional[CompiledGrammar]:
         """The compiled ``params.structured_outputs`` (a cache hit when the server compiled

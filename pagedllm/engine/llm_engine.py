@@ -22,6 +22,8 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.layers.quantization import CHECKPOINT_QUANTIZATION_METHODS, weight_bytes
 from pagedllm.layers.smooth_quant import calibration_token_ids
+from pagedllm.lora.manager import LoRAModelManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.models.loader import (build_model, load_checkpoint, load_prequantized, load_tokenizer,
                                     resolve_model_path)
 from pagedllm.distributed.parallel_state import TensorParallelError
@@ -169,9 +171,15 @@ class LLMEngine:
                                                enable_caching=engine_args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, engine_args.max_num_seqs,
                                    engine_args.max_num_batched_tokens, self.max_model_len,
-                                   engine_args.scheduling_policy, engine_args.priority_aging_interval)
+                                   engine_args.scheduling_policy, engine_args.priority_aging_interval,
+                                   max_loras=engine_args.max_loras if engine_args.enable_lora else None)
+        self.lora_manager: Optional[LoRAModelManager] = None
+        if engine_args.enable_lora:
+            self.lora_manager = LoRAModelManager(model, engine_args.max_loras, engine_args.max_lora_rank,
+                                                 engine_args.max_cpu_loras or engine_args.max_loras)
         self.model_runner = ModelRunner(model, num_blocks, block_size, engine_args.seed, self.kv_cache_dtype,
-                                        broadcast_steps=self._tp_workers is not None)
+                                        broadcast_steps=self._tp_workers is not None,
+                                        lora_manager=self.lora_manager)
         if engine_args.warm_kv_cache:
             start, warmed = time.perf_counter(), 0
             while (chunk := self.warm_kv_cache(64 << 20)) > 0:
@@ -243,7 +251,7 @@ class LLMEngine:
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_request: Optional[LoRARequest] = None) -> None:
         """Queue a request.
 
         The ``n`` samples of a request are prefilled once: the first one is scheduled, the
@@ -258,21 +266,27 @@ class LLMEngine:
                 with and one without) never share KV blocks.
             priority: under ``scheduling_policy="priority"``, lower runs first (vLLM's
                 ``priority``); must be 0 under ``fcfs`` (as vLLM).
+            lora_request: the LoRA adapter to run with (``enable_lora``); read from its
+                ``lora_path`` now unless loaded (``add_lora``).
 
         Raises:
             ValueError: empty prompt, token ids out of the vocabulary, a prompt that cannot fit
                 ``max_model_len`` (or ``prompt + max_tokens`` beyond it), ``n`` above
                 ``max_num_seqs`` or needing more blocks than the pool, a non-string
                 ``cache_salt``, a duplicate ``request_id``, a non-integer ``priority`` or a
-                non-zero one under ``fcfs``. Nothing is queued then.
+                non-zero one under ``fcfs``; a ``lora_request`` without ``enable_lora``, or an
+                adapter that ``add_lora`` refuses. Nothing is queued then.
         """
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and self.scheduler.policy != "priority":
             raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine "
                              f"schedules {self.scheduler.policy!r})")
-        self._queue(self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt,
-                                                 in_flight=self.parents), priority)
+        processed = self.input_processor.process(request_id, prompt, params, arrival_time, cache_salt,
+                                                 in_flight=self.parents, lora_request=lora_request)
+        if lora_request is not None:
+            self.add_lora(lora_request)
+        self._queue(processed, priority)
 
     def _queue(self, processed: ProcessedRequest, priority: int = 0) -> None:
         """Make the ``Request`` of each sample of an admitted request and schedule the first."""
@@ -285,7 +299,8 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else (request_id, index)
             parent.children.append(Request(child_id, prompt_token_ids, params, max_tokens,
                                            self.eos_token_id, arrival_time, seed_offset=index,
-                                           cache_salt=cache_salt, priority=priority))
+                                           cache_salt=cache_salt, priority=priority,
+                                           lora_request=processed.lora_request))
             if processed.grammar is not None:  # one state per sample
                 parent.children[-1].grammar = processed.grammar.new_state()
         self.parents[request_id] = parent
@@ -349,7 +364,7 @@ class LLMEngine:
                                [last.ranks[index]] + last.ranks[1:])
         child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.max_tokens,
                         parent.eos_token_id, parent.arrival_time, cache_salt=parent.cache_salt,
-                        priority=parent.priority)
+                        priority=parent.priority, lora_request=parent.lora_request)
         child.output_token_ids = parent.output_token_ids[:-1]
         child.logprobs = parent.logprobs[:-1] + [record]
         for kept in child.logprobs:  # summed in the order step() sums them
@@ -384,6 +399,31 @@ class LLMEngine:
                 if not child.is_finished():
                     child.status = RequestStatus.FINISHED_ABORTED
             self._emit(parent)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter ahead of its requests (vLLM ``add_lora``); it may later be
+        dropped by the LRUs and is then read again from ``lora_path`` when a request needs it.
+        Returns whether it was read now (False: already loaded).
+
+        Raises:
+            ValueError: LoRA is off, or the adapter is refused (``LoRAModel.from_local_checkpoint``:
+                a missing file, DoRA, ``modules_to_save``, a rank above ``max_lora_rank``, a
+                shape the base model does not have, ...).
+        """
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need enable_lora=True (--enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        return self.lora_manager.add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a loaded adapter (vLLM ``remove_lora``); requests still running with it read
+        it again. Returns whether it was loaded."""
+        return self.lora_manager is not None and self.lora_manager.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters held in memory (vLLM ``list_loras``)."""
+        return set(self.lora_manager.list_adapters()) if self.lora_manager is not None else set()
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache. Never refuses: blocks of running requests keep their KV
@@ -438,7 +478,8 @@ class LLMEngine:
         try:
             self.check_health()
             runner_output = self.model_runner.execute_model(scheduler_output.scheduled, block_tables,
-                                                            scheduler_output.blocks_to_copy)
+                                                            scheduler_output.blocks_to_copy,
+                                                            scheduler_output.lora_ids_in_use)
         except TensorParallelError as exc:
             # Fatal: the ranks are out of step and cannot be brought back.
             self._tp_error = self._tp_workers.failure(exc) if self._tp_workers and exc is not self._tp_error else exc
@@ -528,7 +569,9 @@ class LLMEngine:
                               prefix_cache_queries=manager.prefix_cache_queries,
                               prefix_cache_hits=manager.prefix_cache_hits,
                               iteration=self._iteration,
-                              num_waiting_by_priority=self._waiting_by_priority())
+                              num_waiting_by_priority=self._waiting_by_priority(),
+                              running_lora_adapters=_count_adapters(self.scheduler.running),
+                              waiting_lora_adapters=_count_adapters(self.scheduler.waiting))
 
     def _waiting_by_priority(self) -> tuple[tuple[int, int], ...]:
         """O(waiting) under the priority policy, nothing under fcfs (where priority is 0)."""
@@ -565,7 +608,8 @@ class LLMEngine:
                          max_num_batched_tokens=self.args.max_num_batched_tokens,
                          grammar_compiler=self.grammar_compiler, scheduling_policy=self.scheduler.policy,
                          kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
-                         bytes_per_block=self.bytes_per_block)
+                         bytes_per_block=self.bytes_per_block,
+                         max_loras=self.args.max_loras if self.args.enable_lora else 0)
 
     def _fail_requests(self, requests: Iterable[Request], exc: Exception) -> list[RequestOutput]:
         """End the user requests of ``requests``, every sample, with finish reason ``"error"``
@@ -606,3 +650,8 @@ class LLMEngine:
         return self.output_processor.make_output(
             parent.request_id, parent.prompt, parent.prompt_token_ids, parent.children,
             num_cached_tokens=max(0, parent.children[0].num_cached_tokens))
+
+
+def _count_adapters(requests: Iterable[Request]) -> tuple[tuple[str, int], ...]:
+    """``(lora_name, sequences)`` of the adapters among ``requests``, by name (empty without)."""
+    return tuple(sorted(Counter(r.lora_request.lora_name for r in requests if r.lora_request is not None).items()))

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Optional, Protocol
 
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.stats import LoadStats, ModelInfo, SchedulerStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -63,4 +64,11 @@ class EngineClient(Protocol):
     def num_open_requests(self) -> int: ...
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          cache_salt: Optional[str] = None, priority: int = 0) -> OutputStream: ...
+                          cache_salt: Optional[str] = None, priority: int = 0,
+                          lora_request: Optional[LoRARequest] = None) -> OutputStream: ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter (``LLMEngine.add_lora``). Raises: ValueError for a refused one."""
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (``LLMEngine.remove_lora``)."""

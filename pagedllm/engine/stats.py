@@ -62,6 +62,9 @@ class SchedulerStats:
         num_waiting_by_priority: ``(priority, waiting sequences)`` pairs, ascending, under
             the ``priority`` scheduling policy (empty under ``fcfs``): how many wait ahead of
             a new request of a given priority.
+        running_lora_adapters / waiting_lora_adapters: ``(lora_name, sequences)`` pairs by
+            name, of the running / waiting sequences that have a LoRA adapter (vLLM's
+            ``LoRAStats``; ``vllm:lora_requests_info``).
     """
 
     num_running_reqs: int = 0
@@ -73,6 +76,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     iteration: IterationStats = field(default_factory=IterationStats)
     num_waiting_by_priority: tuple[tuple[int, int], ...] = ()
+    running_lora_adapters: tuple[tuple[str, int], ...] = ()
+    waiting_lora_adapters: tuple[tuple[str, int], ...] = ()
 
     def num_waiting_ahead(self, priority: Optional[int]) -> int:
         """Sequences a new request of ``priority`` queues behind: all waiting ones under
@@ -113,6 +118,7 @@ class ModelInfo:
         scheduling_policy: ``"fcfs"`` or ``"priority"``.
         kv_cache_dtype: the KV cache's dtype, as a name (``"bfloat16"``, ``"float32"``, ``"int8"``).
         bytes_per_block: bytes of one KV block, every layer's K and V (all ranks together).
+        max_loras: most LoRA adapters in use at once; 0 when LoRA is off.
     """
 
     model: Optional[str]
@@ -128,6 +134,7 @@ class ModelInfo:
     scheduling_policy: str = "fcfs"
     kv_cache_dtype: str = ""
     bytes_per_block: int = 0
+    max_loras: int = 0
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--request-log", default=None, metavar="PATH",
                        help="append one JSON line per finished request (arrival, prompt and output token "
                             "counts, cached-prefix hash): a trace for `pagedllm plan --trace`")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) to load at start, each served as the model NAME "
+                            "(needs --enable-lora; vLLM's JSON form {\"name\": ..., \"path\": ...} works too)")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING): clients then make the server read adapter "
+                            "folders by path")
     # Tests serve engines over tiny random models: module:function(EngineArgs) -> LLMEngine.
     group.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
     from pagedllm.serve_ray.options import add_ray_args

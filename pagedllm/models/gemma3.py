@@ -209,6 +209,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                                             config.rope_local_base_freq)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.fused_decode = None
+        self.lora_context = None
         self.requires_grad_(False)
         if config.attn_logit_softcapping is not None:
             logger.info("attention logit soft-capping (%s): attention runs the torch formulation, decode and "

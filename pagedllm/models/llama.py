@@ -302,6 +302,9 @@ class LlamaForCausalLM(nn.Module):
             the plain Llama layer only. Off under tensor parallelism: the op runs every layer
             in one call, and the all-reduces must run between its attention and MLP halves.
         unquantized_weight_bytes: the weights' bytes before ``quantize_model`` (None: not quantized).
+        lora_context: the ``LoRAContext`` of LoRA serving (``pagedllm/lora/layers.py: wrap_model``
+            wraps the projections), None without. A step with adapter rows runs the Python
+            layers: the fused decode op has no LoRA.
 
     Raises:
         ValueError: biases on o_proj or the MLP with ``tp.size > 1`` (a row-parallel layer's
@@ -329,6 +332,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
         self.fused_decode: Optional[FusedDecode] = None
+        self.lora_context = None
         if not config.qk_norm and config.sliding_window is None and config.rotary_dim in (None, config.head_dim):
             self.fused_decode = FusedDecode(self.layers, self.rotary, config.rms_norm_eps, quantization)
             self.fused_decode.enabled = tp.size == 1
@@ -346,7 +350,8 @@ class LlamaForCausalLM(nn.Module):
         Returns: ``[num_tokens, hidden_size]`` final-normed hidden states.
         """
         hidden, residual = self.embed_tokens(input_ids), None
-        if self.fused_decode is not None and self.fused_decode.applies(metadata, hidden.shape[0]):
+        lora_rows = self.lora_context is not None and self.lora_context.groups
+        if self.fused_decode is not None and not lora_rows and self.fused_decode.applies(metadata, hidden.shape[0]):
             hidden, residual = self.fused_decode(hidden, positions, kv_caches, metadata)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):

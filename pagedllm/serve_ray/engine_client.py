@@ -38,6 +38,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from pagedllm.engine.async_engine import EngineDeadError, EngineDrainingError
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.stats import LoadStats, ModelInfo, SchedulerStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.serve_ray.prefix_index import prefix_block_hashes
@@ -284,16 +285,28 @@ class RayEngineClient:
             await asyncio.sleep(poll)
         return self._num_open
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Raises: ValueError: replicas serve no LoRA adapters."""
+        raise ValueError("LoRA adapters are not served by Ray Serve replicas (pagedllm serve --replicas)")
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Nothing is loaded on replicas: False."""
+        return False
+
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          cache_salt: Optional[str] = None, priority: int = 0) -> RemoteRequestStream:
+                          cache_salt: Optional[str] = None, priority: int = 0,
+                          lora_request: Optional[LoRARequest] = None) -> RemoteRequestStream:
         """Tokenize ``prompt``, send it to a replica chosen by the deployment's router, and
         return its stream once the replica's engine accepted it.
 
         Raises:
             ValueError: the prompt (tokenization, length) or anything the replica's engine
-                refuses; QueueFullError, EngineDrainingError, EngineDeadError as the replica's
-                engine raises them; ReplicaLostError when no replica could take it.
+                refuses; a ``lora_request`` (replicas serve no adapters); QueueFullError,
+                EngineDrainingError, EngineDeadError as the replica's engine raises them;
+                ReplicaLostError when no replica could take it.
         """
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not served by Ray Serve replicas (pagedllm serve --replicas)")
         if self.draining:
             raise EngineDrainingError("the server is shutting down and takes no new requests")
         text, token_ids = self._input_processor.tokenize(prompt)

@@ -19,6 +19,7 @@ from pagedllm.core.request import Request
 from pagedllm.huge_pages import huge_page_zeros, populate_for_write
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
 from pagedllm.layers.ops import native_ops
+from pagedllm.lora.manager import LoRAMapping, LoRAModelManager
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.worker.step_inputs import StepInputs, broadcast_step
@@ -76,11 +77,14 @@ class ModelRunner:
         broadcast_steps: rank 0 of a tensor-parallel group: send every step's inputs to the
             other ranks (``worker/step_inputs.py``) before computing it. The cache then holds
             only this rank's KV heads (``model.num_kv_heads_per_rank``).
+        lora_manager: the model's LoRA adapters (``lora/manager.py``), None without LoRA.
     """
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0,
-                 kv_cache_dtype: Optional[torch.dtype] = None, broadcast_steps: bool = False) -> None:
+                 kv_cache_dtype: Optional[torch.dtype] = None, broadcast_steps: bool = False,
+                 lora_manager: Optional[LoRAModelManager] = None) -> None:
         self.model = model
+        self.lora_manager = lora_manager
         config = model.config
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -101,7 +105,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduled: Sequence[tuple[Request, int]],
                       block_tables: dict[str, list[int]],
-                      blocks_to_copy: Sequence[tuple[int, int]] = ()) -> ModelRunnerOutput:
+                      blocks_to_copy: Sequence[tuple[int, int]] = (),
+                      lora_ids_in_use: frozenset[int] = frozenset()) -> ModelRunnerOutput:
         """Compute the scheduled tokens of every request and sample where a chunk ends a sequence.
 
         Args:
@@ -109,13 +114,14 @@ class ModelRunner:
                 ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``.
             block_tables: request_id -> physical block ids covering those tokens.
             blocks_to_copy: copy-on-write ``(src, dst)`` block ids, applied before the forward.
+            lora_ids_in_use: LoRA adapters of every running request (kept loaded).
 
         Returns:
             The tokens sampled for requests whose chunk reaches ``num_tokens`` and for their
             ``pending_forks`` (each draws from the same logits row), with their logprobs, and
             the prompt logprobs of the chunks computed.
         """
-        forward = self._forward(scheduled, block_tables, blocks_to_copy)
+        forward = self._forward(scheduled, block_tables, blocks_to_copy, lora_ids_in_use)
         output = ModelRunnerOutput()
         for request, first_row, targets in forward.prompt_logprob_rows:
             output.prompt_logprobs[request.request_id] = self._prompt_logprobs(
@@ -184,16 +190,28 @@ class ModelRunner:
 
     def execute_step(self, step: StepInputs) -> torch.Tensor:
         """Copy-on-write, then the forward of ``step``: ``[num_tokens, hidden_size]`` hidden
-        states (what every tensor-parallel rank runs; rank 0 then samples)."""
+        states (what every tensor-parallel rank runs; rank 0 then samples). With a
+        ``lora_mapping`` its adapters are made active and their rows get their LoRA terms."""
         if step.blocks_to_copy:
             self.copy_blocks(step.blocks_to_copy)
-        return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        if step.lora_mapping is None:
+            return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        with self.lora_manager.activate(step.lora_mapping):
+            return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
 
     def _forward(self, scheduled: Sequence[tuple[Request, int]], block_tables: dict[str, list[int]],
-                 blocks_to_copy: Sequence[tuple[int, int]]) -> "_ForwardResult":
+                 blocks_to_copy: Sequence[tuple[int, int]],
+                 lora_ids_in_use: frozenset[int] = frozenset()) -> "_ForwardResult":
         # Single-token sequences first: they share one batched decode-attention call.
         decodes = [(r, n) for r, n in scheduled if n == 1]
         prefills = [(r, n) for r, n in scheduled if n > 1]
+        lora_mapping = None
+        if any(r.lora_request is not None for r, _ in scheduled):
+            # Rows of one adapter side by side (the sort is stable): most groups are one range,
+            # which the LoRA layers take as a view instead of a gather and scatter.
+            decodes.sort(key=lambda item: item[0].lora_int_id)
+            prefills.sort(key=lambda item: item[0].lora_int_id)
+            lora_mapping = LoRAMapping(lora_ids_in_use=lora_ids_in_use)
         ordered = decodes + prefills
 
         input_ids: list[int] = []
@@ -210,6 +228,8 @@ class ModelRunner:
             table = block_tables[request.request_id]
             row = len(input_ids)
             input_ids.extend(request.all_token_ids[start:end])
+            if lora_mapping is not None and request.lora_request is not None:
+                lora_mapping.add_rows(request.lora_request, row, row + num_new)
             positions.extend(range(start, end))
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
             if num_new > 1:
@@ -238,7 +258,7 @@ class ModelRunner:
             metadata.decode_block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
             metadata.decode_context_lens = torch.tensor(context_lens)
 
-        step = StepInputs(torch.tensor(input_ids), torch.tensor(positions), metadata, blocks_to_copy)
+        step = StepInputs(torch.tensor(input_ids), torch.tensor(positions), metadata, blocks_to_copy, lora_mapping)
         if self.broadcast_steps:
             broadcast_step(step)
         hidden = self.execute_step(step)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import TensorParallelError
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
+from pagedllm.lora.manager import LoRAMapping
 
 STEP, SHUTDOWN = 1, 0
 HEADER_LEN = 8
@@ -36,12 +37,15 @@ class StepInputs:
         input_ids, positions: ``[num_tokens]`` int64.
         metadata: slot mapping, decode block tables / context lengths, prefill chunks.
         blocks_to_copy: copy-on-write ``(src, dst)`` block ids, applied before the forward.
+        lora_mapping: the rows of each LoRA adapter, None when no row has one. Never
+            broadcast: LoRA runs with one rank only (``EngineArgs.verify``).
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
     blocks_to_copy: Sequence[tuple[int, int]] = ()
+    lora_mapping: Optional[LoRAMapping] = None
 
 
 def _broadcast(tensor: torch.Tensor, group) -> None:
@@ -58,6 +62,7 @@ def broadcast_step(step: StepInputs) -> None:
     Raises:
         TensorParallelError: a rank is gone.
     """
+    assert step.lora_mapping is None, "LoRA runs without tensor parallelism"
     m = step.metadata
     num_decode = m.num_decode_tokens
     decode_tables = m.decode_block_tables if num_decode else torch.empty(0, 0, dtype=torch.int64)

@@ -4,7 +4,7 @@ concurrency cap, a default priority, and OpenAI's ``x-ratelimit-*`` headers.
 A keys file (``--api-keys-file``, or the same JSON in ``$PAGEDLLM_API_KEYS``) is a JSON list:
 
     [{"name": "team-a", "key": "sk-...", "requests_per_minute": 60, "tokens_per_minute": 20000,
-      "max_concurrent_requests": 4, "priority": 0}, ...]
+      "max_concurrent_requests": 4, "priority": 0, "lora_adapters": ["team-a-sql"]}, ...]
 
 Only ``name`` and ``key`` are required; a missing limit is no limit. Names label metrics and
 logs; keys are never logged or shown in an error message.
@@ -56,6 +56,8 @@ class APIKey:
         max_concurrent_requests: requests of this key open at once.
         priority: the default ``priority`` of its requests, and the most urgent (lowest) one
             they may ask for; None: default 0, any value allowed.
+        lora_adapters: the LoRA adapters (by name) its requests may use and ``/v1/models``
+            shows it, besides the base model; None: all of them.
     """
 
     name: str
@@ -64,6 +66,7 @@ class APIKey:
     tokens_per_minute: Optional[int] = None
     max_concurrent_requests: Optional[int] = None
     priority: Optional[int] = None
+    lora_adapters: Optional[frozenset[str]] = None
 
 
 def parse_api_keys(text: str, source: str) -> list[APIKey]:
@@ -72,7 +75,8 @@ def parse_api_keys(text: str, source: str) -> list[APIKey]:
     Raises:
         ValueError: not a JSON list of objects; an entry without a valid ``name`` (1-64 of
             ``A-Z a-z 0-9 _ . -``, not ``anonymous``) or a non-empty string ``key``; an unknown
-            field; a limit that is not a positive integer; a non-integer priority; a name or
+            field; a limit that is not a positive integer; a non-integer priority;
+            ``lora_adapters`` that is not a list of names; a name or
             a key used twice. The message names the entry and the field, never a key.
     """
     try:
@@ -93,10 +97,10 @@ def parse_api_keys(text: str, source: str) -> list[APIKey]:
             raise ValueError(f"{where}: name must be 1-64 characters of A-Z a-z 0-9 _ . - and not "
                              f"{ANONYMOUS!r}, got {name!r}")
         where = f"{source}: key {name!r}"
-        unknown = set(entry) - {"name", "key", "priority", *_LIMITS}
+        unknown = set(entry) - {"name", "key", "priority", "lora_adapters", *_LIMITS}
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: name, key, priority, "
-                             f"{', '.join(_LIMITS)}")
+                             f"lora_adapters, {', '.join(_LIMITS)}")
         secret = entry.get("key")
         if not isinstance(secret, str) or not secret or secret != secret.strip():
             raise ValueError(f"{where}: key must be a non-empty string without surrounding spaces")
@@ -107,13 +111,18 @@ def parse_api_keys(text: str, source: str) -> list[APIKey]:
         priority = entry.get("priority")
         if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
             raise ValueError(f"{where}: priority must be an integer, got {priority!r}")
+        adapters = entry.get("lora_adapters")
+        if adapters is not None and (not isinstance(adapters, list)
+                                     or not all(isinstance(a, str) and a for a in adapters)):
+            raise ValueError(f"{where}: lora_adapters must be a list of adapter names or null, got {adapters!r}")
         if name in names:
             raise ValueError(f"{where}: the name is used twice")
         if secret in secrets:
             raise ValueError(f"{where}: its key is also another entry's key")
         names.add(name)
         secrets.add(secret)
-        keys.append(APIKey(name, secret, *(entry.get(limit) for limit in _LIMITS), priority))
+        keys.append(APIKey(name, secret, *(entry.get(limit) for limit in _LIMITS), priority,
+                           None if adapters is None else frozenset(adapters)))
     return keys
 
 

@@ -2,7 +2,9 @@
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
 ``/v1/requests/{id}/cancel``, ``/health``, ``/livez``, ``/readyz``, ``/load``, ``/version``,
-``/tokenize``, ``/detokenize``, ``/metrics``, and the live block-pool view (``/debug/kv``,
+``/tokenize``, ``/detokenize``, ``/metrics``, with ``--allow-runtime-lora-updating``
+``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``serving_models.py``), and the live
+block-pool view (``/debug/kv``,
 ``/debug/kv/stream``, ``/dashboard``; off with ``--disable-dashboard``). With API keys
 (``--api-key``, ``--api-keys-file``), every ``/v1`` and ``/debug`` path and
 ``/tokenize``/``/detokenize`` need ``Authorization: Bearer <key>`` (as vLLM); the probes,
@@ -53,7 +55,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -66,12 +68,14 @@ from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.api_keys import (DEFAULT_KEY_NAME, APIKey, KeyRing, RateLimiter, load_api_keys,
                                                   parse_api_keys)
 from pagedllm.engine.request_log import RequestLog
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                  DetokenizeRequest, TokenizeRequest)
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import (OpenAIError, RequestRegistry, ServerPolicy, SSEResponse,
                                                         client_context, to_openai_error)
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics import APIKeyMetrics, EngineMetrics
 from pagedllm.models.loader import DEFAULT_MODEL_FILE
 
@@ -256,7 +260,8 @@ class _ClientMiddleware:
 def build_app(engine: EngineClient, served_model_names: Sequence[str], api_key: Optional[str] = None,
               model_root: Optional[str] = None, api_keys: Sequence[APIKey] = (),
               max_queue_wait: Optional[float] = None, clock=time.monotonic,
-              enable_dashboard: bool = True, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              enable_dashboard: bool = True, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              lora_requests: Sequence[LoRARequest] = (), allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The FastAPI application over a started engine: an ``AsyncLLMEngine`` (``pagedllm
     serve``), or Ray Serve replicas through a ``RayEngineClient`` (``pagedllm serve --replicas``).
 
@@ -275,6 +280,10 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str], api_key: 
             (False: those paths are 404 and the engine never takes a block-pool snapshot).
             Only an ``AsyncLLMEngine`` has a block pool at hand.
         max_request_body_bytes: a larger request body is refused with 413 (bytes).
+        lora_requests: LoRA adapters the engine has loaded (``--lora-modules``), served under
+            their names (``serving_models.py``).
+        allow_runtime_lora_updating: serve ``/v1/load_lora_adapter`` and
+            ``/v1/unload_lora_adapter`` (404 otherwise).
 
     Raises:
         ValueError: no served model name, a dashboard asked of another engine client, a key
@@ -309,8 +318,9 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str], api_key: 
     policy = ServerPolicy(limiter, registry, max_queue_wait)
     if key_metrics is not None:
         policy.record = key_metrics.record
-    completions = OpenAIServingCompletion(engine, served_model_names, policy)
-    chat = OpenAIServingChat(engine, served_model_names, policy)
+    models = OpenAIServingModels(engine, served_model_names, model_root or served_model_names[0], lora_requests)
+    completions = OpenAIServingCompletion(engine, served_model_names, policy, models)
+    chat = OpenAIServingChat(engine, served_model_names, policy, models)
     created = int(time.time())
     app.add_middleware(_ClientMiddleware, keyring=KeyRing(keys), limiter=limiter,
                        max_body_bytes=max_request_body_bytes)
@@ -409,11 +419,19 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str], api_key: 
         return {"version": pagedllm.__version__}
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
-             "root": model_root or served_model_names[0], "parent": None,
-             "max_model_len": model_info.max_model_len} for name in served_model_names]}
+    async def list_models(raw_request: Request) -> dict:
+        return {"object": "list", "data": models.list_models(created, client_context(raw_request).key)}
+
+    if allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
+            _check_may_update_loras(raw_request)
+            return PlainTextResponse(await models.load_lora_adapter(request.lora_name, request.lora_path))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Request) -> Response:
+            _check_may_update_loras(raw_request)
+            return PlainTextResponse(await models.unload_lora_adapter(request.lora_name))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -455,6 +473,14 @@ def build_app(engine: EngineClient, served_model_names: Sequence[str], api_key: 
     if enable_dashboard:
         _add_dashboard_routes(app, engine)
     return app
+
+
+def _check_may_update_loras(raw_request: Request) -> None:
+    """Raises: OpenAIError 403 for a key limited to some adapters (``lora_adapters``)."""
+    key = client_context(raw_request).key
+    if key is not None and key.lora_adapters is not None:
+        raise OpenAIError(403, f"API key {key.name!r} is limited to some LoRA adapters and may not load or unload "
+                               "adapters", "PermissionDeniedError")
 
 
 def _add_dashboard_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
@@ -527,14 +553,22 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def build_engine(engine_args: EngineArgs, engine_factory: Optional[str] = None) -> LLMEngine:
+def build_engine(engine_args: EngineArgs, engine_factory: Optional[str] = None,
+                 lora_requests: Sequence[LoRARequest] = ()) -> LLMEngine:
     """The ``LLMEngine`` of ``engine_args``, or ``engine_factory(engine_args)``
-    (``module:function``, the tests' ``--engine-factory``)."""
+    (``module:function``, the tests' ``--engine-factory``), with ``lora_requests`` loaded.
+
+    Raises:
+        ValueError: as ``LLMEngine``, or an adapter it refuses (``LLMEngine.add_lora``).
+    """
     if engine_factory:
         module_name, _, function_name = engine_factory.partition(":")
-        factory = getattr(importlib.import_module(module_name), function_name)
-        return factory(engine_args)
-    return LLMEngine(engine_args)
+        engine = getattr(importlib.import_module(module_name), function_name)(engine_args)
+    else:
+        engine = LLMEngine(engine_args)
+    for lora_request in lora_requests:
+        engine.add_lora(lora_request)
+    return engine
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -587,9 +621,16 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     check_port_free(args.host, args.port)  # before seconds of model loading, not after
     engine_args = EngineArgs.from_kwargs(**engine_kwargs)
     names = args.served_model_name or [args.model or Path(DEFAULT_MODEL_FILE).stem]
+    lora_modules = parse_lora_modules(getattr(args, "lora_modules", None) or [])
+    if lora_modules and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    taken = [name for name, _ in lora_modules if name in names]
+    if taken:
+        raise ValueError(f"--lora-modules: {taken} are also base model names (--served-model-name)")
+    lora_requests = [LoRARequest(name, index + 1, path) for index, (name, path) in enumerate(lora_modules)]
     request_log = RequestLog(args.request_log) if getattr(args, "request_log", None) else None
     # Built on the engine thread, the one that steps it (AsyncLLMEngine: one OpenMP team).
-    async_engine = AsyncLLMEngine(lambda: build_engine(engine_args, args.engine_factory), None,
+    async_engine = AsyncLLMEngine(lambda: build_engine(engine_args, args.engine_factory, lora_requests), None,
                                   args.max_waiting_requests, args.request_timeout, request_log)
     async_engine.metrics = EngineMetrics(names[0], async_engine.model_info.max_model_len,
                                          engine_args.max_num_seqs, engine_args.max_num_batched_tokens,
@@ -597,7 +638,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     app = build_app(async_engine, names, api_key, model_root=str(args.model or DEFAULT_MODEL_FILE),
                     api_keys=api_keys, max_queue_wait=args.max_queue_wait,
                     enable_dashboard=not args.disable_dashboard,
-                    max_request_body_bytes=args.max_request_body_bytes)
+                    max_request_body_bytes=args.max_request_body_bytes, lora_requests=lora_requests,
+                    allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False))
     # asyncio and h11, never uvloop and httptools: uvicorn's "auto" takes those when installed
     # (ray[serve] brings both), and the server's behaviour must not depend on what else is installed.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),

@@ -233,3 +233,18 @@ class DetokenizeRequest(OpenAIBaseModel):
 
     model: Optional[str] = None
     tokens: list[Int]
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body): load the PEFT folder ``lora_path`` as the
+    model ``lora_name``."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; ``lora_int_id`` is accepted and ignored)."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_int_id: Optional[int] = None

@@ -91,7 +91,7 @@ class OpenAIServingChat(OpenAIServing):
         created = now_seconds()
         prompt = {"prompt_token_ids": token_ids, "prompt": text}
         submission = await self.submit(raw_request, "chatcmpl", [prompt], params, request.cache_salt,
-                                       request.priority)
+                                       request.priority, request.model)
         request_id, streams = submission.response_id, submission.streams
         if request.stream:
             chunks = self._stream(request, request_id, created, streams[0], mode, named)
@@ -138,7 +138,7 @@ class OpenAIServingChat(OpenAIServing):
             choices.append({"index": completion.index, "message": message,
                             "logprobs": logprobs, "finish_reason": finish_reason,
                             "stop_reason": completion.stop_reason})
-        return {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
+        return {"id": request_id, "object": "chat.completion", "created": created, "model": self.response_model(request.model),
                 "choices": choices, "usage": usage([final]), "prompt_logprobs": prompt_logprobs_json(self, final)}
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
@@ -151,7 +151,7 @@ class OpenAIServingChat(OpenAIServing):
         def chunk(index: int, delta: dict, logprobs: Optional[dict] = None, finish_reason: Optional[str] = None,
                   stop_reason: Any = None) -> str:
             body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                    "model": self.model_name,
+                    "model": self.response_model(request.model),
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                  "finish_reason": finish_reason, "stop_reason": stop_reason}]}
             if request.include_usage:
@@ -187,7 +187,7 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk(state.index, {}, None, completion.finish_reason, completion.stop_reason)
         if request.include_usage:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                       "model": self.model_name, "choices": [], "usage": usage([final])})
+                       "model": self.response_model(request.model), "choices": [], "usage": usage([final])})
 
     def _stream_tools(self, state: ChoiceState, completion: CompletionOutput, mode: str,
                       named: Optional[dict], chunk: Any) -> list[str]:

@@ -38,7 +38,8 @@ class OpenAIServingCompletion(OpenAIServing):
         except ValueError as exc:
             raise sampling_params_error(exc) from exc
         created = now_seconds()
-        submission = await self.submit(raw_request, "cmpl", prompts, params, request.cache_salt, request.priority)
+        submission = await self.submit(raw_request, "cmpl", prompts, params, request.cache_salt, request.priority,
+                                       request.model)
         request_id, streams = submission.response_id, submission.streams
         if request.stream:
             chunks = self._stream(request, request_id, created, streams)
@@ -80,7 +81,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                 "logprobs": logprobs, "finish_reason": completion.finish_reason,
                                 "stop_reason": completion.stop_reason,
                                 "prompt_logprobs": prompt_logprobs_json(self, output)})
-        return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
+        return {"id": request_id, "object": "text_completion", "created": created, "model": self.response_model(request.model),
                 "choices": choices, "usage": usage(finals)}
 
     async def _stream(self, request: CompletionRequest, request_id: str, created: int,
@@ -90,7 +91,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def chunk(index: int, text: str, logprobs: Optional[dict], finish_reason: Optional[str],
                   stop_reason: Any = None) -> str:
-            body = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
+            body = {"id": request_id, "object": "text_completion", "created": created, "model": self.response_model(request.model),
                     "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                  "finish_reason": finish_reason, "stop_reason": stop_reason}]}
             if request.include_usage:
@@ -122,7 +123,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield chunk(index, "", None, completion.finish_reason, completion.stop_reason)
         if request.include_usage:
             yield sse({"id": request_id, "object": "text_completion", "created": created,
-                       "model": self.model_name, "choices": [], "usage": usage(finals)})
+                       "model": self.response_model(request.model), "choices": [], "usage": usage(finals)})
 
     def _logprobs(self, output: RequestOutput, token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]],
                   text_offset: int, include_prompt: bool) -> dict:

@@ -215,13 +215,18 @@ class OpenAIServing:
             ``RayEngineClient`` (``engine/protocol.py``).
         served_model_names: names accepted in ``model``; the first one is reported.
         policy: limits, cancellation registry and overload settings (default: none).
+        models: the base model's names and the LoRA adapters (``serving_models.py``; default:
+            the names, no adapters), shared by the handlers.
     """
 
     def __init__(self, engine: EngineClient, served_model_names: Sequence[str],
-                 policy: Optional[ServerPolicy] = None) -> None:
+                 policy: Optional[ServerPolicy] = None, models: Any = None) -> None:
+        from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]
+        self.models = models or OpenAIServingModels(engine, served_model_names, self.model_name)
         self.tokenizer = engine.model_info.tokenizer
         # Stateless over the fixed model info: worker threads tokenize as the engine would.
         self.input_processor = InputProcessor(engine.model_info)
@@ -229,10 +234,14 @@ class OpenAIServing:
         self.policy = policy or ServerPolicy(RateLimiter([]), RequestRegistry())
 
     def check_model(self, model: Optional[str]) -> None:
-        """Raises: OpenAIError 404 for a model this server does not serve."""
-        if model is not None and model not in self.served_model_names:
-            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
-                                   f"{self.served_model_names}", "NotFoundError", "model")
+        """Raises: OpenAIError 404 for a model this server does not serve (neither a base
+        model name nor a loaded LoRA adapter)."""
+        self.models.resolve(model)
+
+    def response_model(self, model: Optional[str]) -> str:
+        """The ``model`` a response reports: the adapter a request named, else the base model's
+        first name."""
+        return model if model is not None and model in self.models.lora_requests else self.model_name
 
     def check_request(self, request: Any) -> None:
         """What completions and chat check before anything else.
@@ -348,10 +357,11 @@ class OpenAIServing:
 
     async def submit(self, raw_request: Request, prefix: str, prompts: Sequence[PromptType],
                      params: SamplingParams, cache_salt: Optional[str],
-                     priority: Optional[int]) -> Submission:
+                     priority: Optional[int], model: Optional[str] = None) -> Submission:
         """Admit a request and add one engine request per prompt, all or none.
 
-        In order: the key's priority rule (400), the text prompts' tokenization (400, see
+        In order: the LoRA adapter ``model`` names, if the key may use it (404), the key's
+        priority rule (400), the text prompts' tokenization (400, see
         ``tokenize_prompts``), every prompt's checks (400, ``InputProcessor.check_prompt``),
         its rate limits (429), overload protection (503), then the engine
         (400, 429 queue full, 503 draining or dead). The response id is
@@ -362,6 +372,7 @@ class OpenAIServing:
             OpenAIError: as above; what was taken is given back.
         """
         context = client_context(raw_request)
+        lora_request = self.models.resolve(model, context.key)
         priority = self.resolve_priority(priority, context.key)
         prompts = await self.tokenize_prompts(prompts)
         try:  # every prompt before any reaches the engine: a bad one must not start the others
@@ -386,7 +397,8 @@ class OpenAIServing:
                 raise
             base = f"{context.key_name}/{uuid.uuid4().hex}"
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{base}-{i}", prompt, params, cache_salt, priority))
+                streams.append(await self.engine.add_request(f"{base}-{i}", prompt, params, cache_salt, priority,
+                                                             lora_request=lora_request))
         except BaseException as exc:
             for stream in streams:
                 stream.close()
