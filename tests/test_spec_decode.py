@@ -1,0 +1,235 @@
+"""Speculative decoding (docs/speculative-decoding.md): proposers against brute-force
+references, greedy output against non-speculative decoding (tiny llama) and transformers
+(SmolLM2), rollback invariants, the sampled distribution against non-speculative sampling
+(chi-square), metrics and refusals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from pagedllm import SamplingParams
+from pagedllm.config import EngineArgs, SpeculativeConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.stats import SchedulerStats
+from pagedllm.metrics import EngineMetrics
+from pagedllm.models.loader import build_model
+from pagedllm.spec_decode.ngram_proposer import propose_ngram
+from pagedllm.spec_decode.suffix_proposer import SuffixProposer
+from pagedllm.core.request import Request
+from pagedllm.worker.rejection_sampler import rejection_sample
+from pagedllm.worker.sampler import SamplingMetadata
+from tests.conftest import make_tiny_engine, run_to_completion, tiny_config, tiny_state_dict
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+PROPOSERS = {"ngram": NGRAM, "suffix": SUFFIX}
+
+
+# ----------------------------------------------------------------------------- proposers
+def ngram_reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Brute force: the longest suffix match (n in [min_n, max_n]), latest position on a tie."""
+    best = None
+    for end in range(len(tokens) - 1):  # tokens[end] is the last token of an earlier occurrence
+        length = 0
+        while (length < max_n and end - length >= 0 and length < len(tokens)
+               and tokens[end - length] == tokens[len(tokens) - 1 - length]):
+            length += 1
+        if length >= min_n and (best is None or length >= best[0]):
+            best = (length, end)
+    return [] if best is None else tokens[best[1] + 1:best[1] + 1 + k]
+
+
+def test_ngram_proposer_equals_brute_force():
+    rng = random.Random(0)
+    num_nonempty = 0
+    for _ in range(400):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        min_n = rng.randrange(1, 4)
+        max_n = rng.randrange(min_n, 6)
+        k = rng.randrange(1, 6)
+        expected = ngram_reference(tokens, min_n, max_n, k)
+        assert propose_ngram(tokens, min_n, max_n, k) == expected, (tokens, min_n, max_n, k)
+        num_nonempty += bool(expected)
+    assert 100 < num_nonempty < 400
+
+
+def suffix_reference(tokens: list[int], depth: int, factor: float, min_prob: float, k: int) -> list[int]:
+    """Brute force over substring counts: the longest suffix (<= depth - k tokens) seen before
+    with a continuation, then the most frequent next token (first seen on a tie) while the
+    product of frequencies stays >= min_prob."""
+    def count(pattern: tuple) -> int:
+        n = len(pattern)
+        return sum(tuple(tokens[i:i + n]) == pattern for i in range(len(tokens) - n + 1))
+
+    def continuations(pattern: tuple) -> dict:
+        n, found = len(pattern), {}
+        for i in range(len(tokens) - n):
+            if tuple(tokens[i:i + n]) == pattern and tokens[i + n] not in found:
+                found[tokens[i + n]] = count(pattern + (tokens[i + n],))
+        return found
+
+    longest = max(1, min(len(tokens), depth, depth - k))
+    for length in range(longest, 0, -1):
+        pattern = tuple(tokens[-length:])
+        if continuations(pattern):
+            break
+    else:
+        return []
+    draft, probability = [], 1.0
+    while len(draft) < min(k, int(factor * length)) and len(pattern) < depth:
+        options = continuations(pattern)
+        if not options:
+            break
+        token = max(options, key=options.get)
+        probability *= options[token] / sum(options.values())
+        if probability < min_prob:
+            break
+        draft.append(token)
+        pattern += (token,)
+    return draft
+
+
+def test_suffix_proposer_equals_brute_force():
+    rng = random.Random(1)
+    num_nonempty = 0
+    for case in range(300):
+        depth, k = rng.randrange(3, 9), rng.randrange(1, 5)
+        factor, min_prob = rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.1, 0.5])
+        proposer = SuffixProposer(depth, factor, min_prob)
+        request = Request(f"r{case}", [rng.randrange(3) for _ in range(rng.randrange(1, 12))],
+                          SamplingParams(), 100, None)
+        for _ in range(rng.randrange(1, 25)):  # grown step by step, as the engine does
+            expected = suffix_reference(request.all_token_ids, depth, factor, min_prob, k)
+            assert proposer.propose(request, k) == expected, (request.all_token_ids, depth, factor, min_prob, k)
+            num_nonempty += bool(expected)
+            request.output_token_ids.append(rng.randrange(3))
+        proposer.remove(request.request_id)
+    assert num_nonempty > 500
+    assert not proposer._tries
+
+
+# ----------------------------------------------------------------------------- greedy equality
+def spec_engine(config: dict | None, **kwargs) -> LLMEngine:
+    return make_tiny_engine(speculative_config=config, **kwargs)
+
+
+def repetitive_prompts(count: int) -> list[list[int]]:
+    """Prompts that repeat a phrase, so that drafts exist from the first steps."""
+    rng = random.Random(2)
+    prompts = []
+    for _ in range(count):
+        phrase = [rng.randrange(1, 256) for _ in range(rng.randrange(2, 6))]
+        prompts.append((phrase * 8)[:rng.randrange(6, 30)])
+    return prompts
+
+
+def check_rollback_invariants(engine: LLMEngine) -> None:
+    """No block holds only rejected slots; every cached block's key is over accepted tokens."""
+    manager = engine.kv_cache_manager
+    manager.block_pool.check_invariants()
+    block_size = manager.block_size
+    for request in engine.scheduler.running:
+        blocks = manager.req_to_blocks.get(request.request_id, [])
+        assert len(blocks) <= manager.num_blocks_needed(request.num_tokens), request
+        assert request.num_computed_tokens <= request.num_tokens
+        tokens = request.all_token_ids
+        for index, block in enumerate(blocks):
+            if block.block_hash is not None:
+                assert block.block_hash.token_ids == tuple(tokens[index * block_size:(index + 1) * block_size])
+                assert (index + 1) * block_size <= request.num_computed_tokens
+
+
+def run_checked(engine: LLMEngine, prompts: list, params: list[SamplingParams]) -> dict:
+    for i, (prompt, param) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, param)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        check_rollback_invariants(engine)
+    manager = engine.kv_cache_manager
+    assert manager.block_pool.num_used_blocks == 0 and not manager.req_to_blocks
+    return finals
+
+
+@pytest.mark.parametrize("method", sorted(PROPOSERS))
+def test_greedy_output_equals_non_speculative(method):
+    prompts = repetitive_prompts(6)
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + 7 * i, ignore_eos=True) for i in range(6)]
+    expected = run_to_completion_outputs(spec_engine(None), prompts, params)
+    config = dict(PROPOSERS[method], disable_by_batch_size=None)
+    engine = spec_engine(config)
+    finals = run_checked(engine, prompts, params)
+    for i in range(6):
+        assert finals[f"r{i}"].outputs[0].token_ids == expected[i], i
+    stats = engine.make_stats()
+    # Both paths ran: drafts accepted and drafts rejected (rolled back).
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def run_to_completion_outputs(engine: LLMEngine, prompts: list, params: list[SamplingParams]) -> list:
+    for i, (prompt, param) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, param)
+    finals = run_to_completion(engine)
+    return [finals[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def test_greedy_equal_with_eos_logprobs_n2_penalties_and_preemption():
+    """EOS inside accepted drafts, logprobs of every token, n=2, a penalized request (which gets
+    no drafts) and preemption by a pool too small for all: outputs, logprobs and finish
+    reasons equal non-speculative decoding."""
+    prompts = repetitive_prompts(5)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=30, n=2),
+              SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=35, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=35)]
+    options = dict(num_gpu_blocks_override=24, max_model_len=80, max_num_seqs=8)
+    # The tiny model's most frequent output token serves as EOS, so that some request stops
+    # on it inside a run of accepted drafts.
+    eos = Counter(t for tokens in run_to_completion_outputs(spec_engine(None, **options), prompts, params)
+                  for t in tokens).most_common(1)[0][0]
+
+    def run(config):
+        engine = spec_engine(config, **options)
+        finals = run_checked_with_eos(engine, prompts, params, eos)
+        return engine, finals
+
+    base_engine, base = run(None)
+    assert base_engine.scheduler.num_preemptions > 0
+    engine, spec = run(dict(NGRAM, disable_by_batch_size=None))
+    assert engine.scheduler.num_preemptions > 0 and engine.make_stats().spec_decode_num_accepted_tokens > 0
+    assert any(o.outputs[0].finish_reason == "stop" for o in base.values())
+    for request_id, output in base.items():
+        other = spec[request_id]
+        for a, b in zip(output.outputs, other.outputs, strict=True):
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), request_id
+            assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+            if a.logprobs is not None:
+                assert [list(d) for d in a.logprobs] == [list(d) for d in b.logprobs]
+                assert [x.logprob for d in a.logprobs for x in d.values()] == pytest.approx(
+                    [x.logprob for d in b.logprobs for x in d.values()], abs=1e-4)
+
+
+def run_checked_with_eos(engine: LLMEngine, prompts: list, params: list, eos: int) -> dict:
+    """``run_checked`` with every request's EOS set to ``eos``."""
+    for i, (prompt, param) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, param)
+        for child in engine.parents[f"r{i}"].children:
+            child.eos_token_id = eos
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        check_rollback_invariants(engine)
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+    return finals
