@@ -233,3 +233,96 @@ def run_checked_with_eos(engine: LLMEngine, prompts: list, params: list, eos: in
         check_rollback_invariants(engine)
     assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
     return finals
+
+
+# ----------------------------------------------------------------------------- distribution
+def chi_square_p_value(observed: list[float], expected: list[float]) -> float:
+    """Pearson's test of counts against expected counts (bins with expectation 0 must be empty)."""
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
+    df = sum(e > 0 for e in expected) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def two_sample_p_value(a: Counter, b: Counter) -> float:
+    """Chi-square test that two equal-size samples come from one distribution (outcomes seen
+    fewer than 10 times in both together are pooled into one bin)."""
+    a, b = Counter(a), Counter(b)
+    for key in [k for k in set(a) | set(b) if a[k] + b[k] < 10]:
+        a["rare"] += a.pop(key, 0)
+        b["rare"] += b.pop(key, 0)
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] > 0]
+    stat = sum((a[k] - b[k]) ** 2 / (a[k] + b[k]) for k in keys)
+    return float(torch.special.gammaincc(torch.tensor((len(keys) - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_rejection_sampler_emits_the_target_distribution():
+    """Each emitted token is distributed as the target row it was drawn at (temperature and
+    top-p applied), whatever the drafts: a likely draft, an unlikely one, one outside top-p."""
+    vocab, draws = 6, 12000
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3)) * 1.5
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    request = Request("r", [1], params, 10, None)
+    meta_one = SamplingMetadata.build([request] * 3, vocab)
+    from pagedllm.worker.sampler import process_logits, sampling_probs
+    target = sampling_probs(process_logits(logits, meta_one), meta_one)
+    for drafts in ([int(target[0].argmax()), int(target[1].argmax())],
+                   [int(target[0].argsort()[-3]), int(target[1].argmin())]):
+        meta = SamplingMetadata.build([request] * (3 * draws), vocab)
+        emitted = rejection_sample(logits.repeat(draws, 1), meta, [drafts] * draws,
+                                   torch.Generator().manual_seed(4))
+        first = Counter(tokens[0] for tokens in emitted)
+        assert chi_square_p_value([first[t] for t in range(vocab)], (target[0] * draws).tolist()) > 1e-3
+        # A token whose first draft was accepted: its second token is drawn from row 1.
+        after = [tokens[1] for tokens in emitted if len(tokens) > 1]
+        second = Counter(after)
+        assert len(after) > 1000
+        assert chi_square_p_value([second[t] for t in range(vocab)], (target[1] * len(after)).tolist()) > 1e-3
+        # The test has power: the first tokens are far from the second row's distribution.
+        assert chi_square_p_value([first[t] for t in range(vocab)], (target[1] * draws).tolist()) < 1e-6
+
+
+@functools.lru_cache(maxsize=1)
+def small_vocab_model():
+    config = tiny_config(vocab_size=8)
+    return build_model(config, tiny_state_dict(config, seed=5), torch.float32)
+
+
+def sample_sequences(config: dict | None, num_requests: int) -> Counter:
+    args = EngineArgs.from_kwargs(block_size=4, num_gpu_blocks_override=2048, max_model_len=64, max_num_seqs=256,
+                                  max_num_batched_tokens=1024, speculative_config=config)
+    engine = LLMEngine(args, model=small_vocab_model(), tokenizer=None)
+    # The model's own greedy path, twice: prompt lookup then drafts what the model tends to
+    # say, and temperature 1.5 leaves a fair chance to reject them.
+    engine.add_request("greedy", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    path = [1, 2, 3] + run_to_completion(engine)["greedy"].outputs[0].token_ids
+    # Samples of n > 1 requests: the prompt is computed once per request (sample i of request
+    # r draws from seed r + i).
+    for r in range(0, num_requests, 200):
+        engine.add_request(f"r{r}", (path * 2)[:-4],
+                           SamplingParams(n=200, temperature=1.5, max_tokens=4, ignore_eos=True, seed=r * 1000))
+    finals = run_to_completion(engine)
+    if config is not None:
+        stats = engine.make_stats()
+        assert stats.spec_decode_num_drafts > num_requests // 2, stats
+        assert 0.2 < stats.spec_decode_acceptance_rate < 0.9, stats
+    return Counter(tuple(sample.token_ids) for output in finals.values() for sample in output.outputs)
+
+
+def test_sampled_sequences_have_the_non_speculative_distribution():
+    """800 seeded 4-token samples of an 8-token-vocabulary model, with and without ngram
+    drafts (3 per step): each position's token and the pair (second, third) have the same
+    distribution (two-sample chi-square)."""
+    num = 800
+    plain = sample_sequences(None, num)
+    spec = sample_sequences(dict(NGRAM, num_speculative_tokens=3, disable_by_batch_size=None), num)
+
+    def project(counts: Counter, index) -> Counter:
+        projected = Counter()
+        for tokens, count in counts.items():
+            projected[index(tokens)] += count
+        return projected
+
+    for index in (0, 1, 2, 3, slice(1, 3)):
+        assert two_sample_p_value(project(plain, lambda t: t[index]), project(spec, lambda t: t[index])) > 1e-3, index
