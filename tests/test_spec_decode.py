@@ -326,3 +326,161 @@ def test_sampled_sequences_have_the_non_speculative_distribution():
 
     for index in (0, 1, 2, 3, slice(1, 3)):
         assert two_sample_p_value(project(plain, lambda t: t[index]), project(spec, lambda t: t[index])) > 1e-3, index
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+_EDIT_PROMPT = ("Rename the variables of this function to snake_case and keep everything else:\n\n"
+                "def computeTotal(itemList, taxRate):\n"
+                "    totalValue = 0\n"
+                "    for currentItem in itemList:\n"
+                "        totalValue += currentItem.price * currentItem.quantity\n"
+                "    totalValue = totalValue * (1 + taxRate)\n"
+                "    return totalValue\n\n"
+                "Answer:\n\ndef compute_total(")
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_llm_fp32):
+    return smollm2_llm_fp32.llm_engine
+
+
+def smollm2_engine(base: LLMEngine, config: dict | None) -> LLMEngine:
+    args = EngineArgs.from_kwargs(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 * 2**20,
+                                  speculative_config=config)
+    return LLMEngine(args, model=base.model, tokenizer=base.tokenizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", sorted(PROPOSERS))
+def test_smollm2_greedy_equals_transformers(smollm2, method):
+    """SmolLM2 fp32 rewriting a function: greedy output with drafts equals transformers'
+    greedy decoding token for token (drafts were accepted and rejected)."""
+    from transformers import LlamaForCausalLM
+
+    from pagedllm.models.loader import model_folder, resolve_model_path
+    from tests.test_parity import hf_greedy
+
+    prompt = smollm2.tokenizer.encode(_EDIT_PROMPT)
+    hf = LlamaForCausalLM.from_pretrained(str(model_folder(resolve_model_path(None))), dtype=torch.float32)
+    expected = hf_greedy(hf.eval(), prompt, 48)
+    engine = smollm2_engine(smollm2, PROPOSERS[method])
+    engine.add_request("edit", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+    assert run_to_completion(engine)["edit"].outputs[0].token_ids == expected
+    stats = engine.make_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens, stats
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_smollm2_stop_string_inside_accepted_drafts(smollm2):
+    """A stop string completed by an accepted draft ends the output exactly where one token
+    at a time ends it: same text, tokens and finish reason."""
+    plain = smollm2_engine(smollm2, None)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain.add_request("full", _EDIT_PROMPT, params)
+    text = run_to_completion(plain)["full"].outputs[0].text
+    # A stop string from the middle of the output (computed, so it is surely reached).
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+    outputs = []
+    for config in (None, NGRAM):
+        engine = smollm2_engine(smollm2, config)
+        engine.add_request("stop", _EDIT_PROMPT, params)
+        outputs.append(run_to_completion(engine)["stop"].outputs[0])
+    assert engine.make_stats().spec_decode_num_accepted_tokens > 0
+    (a, b) = outputs
+    assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, b.finish_reason, b.stop_reason)
+    assert a.finish_reason == "stop" and len(a.token_ids) < 40
+
+
+# ----------------------------------------------------------------------------- options, refusals
+def test_speculative_config_is_checked():
+    assert EngineArgs.from_kwargs(speculative_config=NGRAM).speculative.prompt_lookup_max == 3
+    parsed = SpeculativeConfig.from_dict('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3}')
+    assert (parsed.prompt_lookup_min, parsed.prompt_lookup_max) == (3, 3)  # vLLM's rule
+    parsed = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
+    assert (parsed.prompt_lookup_min, parsed.prompt_lookup_max) == (5, 5)
+    refused = {
+        "draft_model": {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3},
+        "not supported": {"model": "some/model", "num_speculative_tokens": 3},
+        "eagle": {"method": "eagle", "num_speculative_tokens": 3},
+        "unsupported field": {"method": "ngram", "num_speculative_tokens": 3, "speculative_token_tree": "x"},
+        "num_speculative_tokens must be a positive": {"method": "ngram", "num_speculative_tokens": 0},
+        "prompt_lookup_min \\(4\\) must be <=": {"method": "ngram", "num_speculative_tokens": 2,
+                                                 "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+        "min_token_prob": {"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 2},
+        "not valid JSON": "{method: ngram}",
+    }
+    for message, config in refused.items():
+        with pytest.raises(ValueError, match=message):
+            EngineArgs.from_kwargs(speculative_config=config)
+
+
+def test_cli_flag_and_serve_parser():
+    from pagedllm.entrypoints.cli import build_parser
+
+    flag = ["--speculative-config", '{"method": "suffix", "num_speculative_tokens": 3}']
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert EngineArgs.from_cli_args(parser.parse_args(flag)).speculative.method == "suffix"
+    serve = build_parser().parse_args(["serve", *flag])
+    assert EngineArgs.from_cli_args(serve).speculative_config == {"method": "suffix", "num_speculative_tokens": 3}
+
+
+def test_beam_search_is_refused():
+    from pagedllm.beam_search import BeamSearchParams, beam_search
+
+    with pytest.raises(ValueError, match="speculative_config"):
+        beam_search(spec_engine(NGRAM), [[1, 2, 3]], BeamSearchParams(beam_width=2, max_tokens=4))
+
+
+def test_no_drafts_when_more_sequences_run_than_disable_by_batch_size():
+    for threshold, expect_drafts in ((2, False), (3, True)):
+        engine = spec_engine(dict(NGRAM, disable_by_batch_size=threshold))
+        for i, prompt in enumerate(repetitive_prompts(3)):
+            engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=10))
+        engine.step()  # three prompts in: three running
+        assert len(engine.scheduler.running) == 3
+        assert bool(engine.scheduler.spec_decode_candidates()) == expect_drafts
+        if not expect_drafts:
+            assert not any(r.spec_token_ids for r in engine.scheduler.running)
+
+
+# ----------------------------------------------------------------------------- metrics
+def test_counters_count_what_ran_and_reach_prometheus():
+    """The engine's counters equal what the scheduler scheduled and the sampler accepted; the
+    Prometheus series (vLLM's names) follow the snapshots."""
+    engine = spec_engine(dict(NGRAM, disable_by_batch_size=None))
+    scheduled_drafts, accepted = [], []
+    schedule, execute = engine.scheduler.schedule, engine.model_runner.execute_model
+
+    def schedule_spy(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        scheduled_drafts.extend(output.scheduled_spec_decode_tokens.values())
+        return output
+
+    def execute_spy(*args, **kwargs):
+        output = execute(*args, **kwargs)
+        accepted.extend(output.num_accepted_tokens.values())
+        return output
+
+    engine.scheduler.schedule, engine.model_runner.execute_model = schedule_spy, execute_spy
+    run_to_completion_outputs(engine, repetitive_prompts(4),
+                              [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * 4)
+    stats = engine.make_stats()
+    assert stats.spec_decode_num_drafts == len(scheduled_drafts) > 0
+    assert stats.spec_decode_num_draft_tokens == sum(map(len, scheduled_drafts))
+    assert stats.spec_decode_num_accepted_tokens == sum(accepted) > 0
+
+    metrics = EngineMetrics("m", 128, 16, 64, log_interval=None)
+    metrics.update_gauges(stats)
+    metrics.update_gauges(SchedulerStats(spec_decode_num_drafts=stats.spec_decode_num_drafts + 2,
+                                         spec_decode_num_draft_tokens=stats.spec_decode_num_draft_tokens + 7,
+                                         spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens + 5))
+    text = metrics.render().decode()
+    for name, value in (("spec_decode_num_drafts", stats.spec_decode_num_drafts + 2),
+                        ("spec_decode_num_draft_tokens", stats.spec_decode_num_draft_tokens + 7),
+                        ("spec_decode_num_accepted_tokens", stats.spec_decode_num_accepted_tokens + 5)):
+        for prefix in ("vllm", "pagedllm"):
+            assert f'{prefix}:{name}_total{{model_name="m"}} {float(value)}' in text, (prefix, name)
