@@ -92,7 +92,7 @@ def make_engine(base: LLMEngine, config, batch_size: int = 1) -> LLMEngine:
     if config is not None and batch_size > 1:
         config = dict(config, disable_by_batch_size=None)
     args = EngineArgs.from_kwargs(model=base.args.model, dtype=base.args.dtype,
-                                  kv_cache_memory_bytes=256 * 2**20, max_model_len=4096,
+                                  kv_cache_memory_bytes=256 * 2**20, max_model_len=2048,
                                   speculative_config=config)
     return LLMEngine(args, model=base.model, tokenizer=base.tokenizer)
 
@@ -130,7 +130,7 @@ def run_once(engine: LLMEngine, prompt_token_ids: list[int], max_tokens: int, ba
 def bench_workload(name: str, args: argparse.Namespace) -> None:
     model, text = WORKLOADS[name]
     base = LLMEngine(EngineArgs.from_kwargs(model=model, dtype=args.dtype, kv_cache_memory_bytes=64 * 2**20,
-                                            max_model_len=4096))
+                                            max_model_len=2048))
     tokenizer = base.tokenizer
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
                                            add_generation_prompt=True)
@@ -176,6 +176,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-speculative-tokens", type=int, default=5)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram (prompt_lookup_max: 5 or this)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 gives steadier ratios on a shared machine")
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[],
@@ -183,6 +185,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    CONFIGS["ngram"].update(num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
+                            prompt_lookup_max=max(5, args.prompt_lookup_min))
+    CONFIGS["suffix"].update(num_speculative_tokens=args.num_speculative_tokens)
     for index, name in enumerate(args.workloads):
         if index and args.batch_sizes:
             args.batch_sizes = []  # the crossover once, on the first workload

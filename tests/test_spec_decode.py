@@ -24,7 +24,7 @@ from pagedllm.spec_decode.ngram_proposer import propose_ngram
 from pagedllm.spec_decode.suffix_proposer import SuffixProposer
 from pagedllm.core.request import Request
 from pagedllm.worker.rejection_sampler import rejection_sample
-from pagedllm.worker.sampler import SamplingMetadata
+from pagedllm.worker.sampler import SamplingMetadata, process_logits, sampling_probs
 from tests.conftest import make_tiny_engine, run_to_completion, tiny_config, tiny_state_dict
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -265,7 +265,6 @@ def test_rejection_sampler_emits_the_target_distribution():
     params = SamplingParams(temperature=0.8, top_p=0.95)
     request = Request("r", [1], params, 10, None)
     meta_one = SamplingMetadata.build([request] * 3, vocab)
-    from pagedllm.worker.sampler import process_logits, sampling_probs
     target = sampling_probs(process_logits(logits, meta_one), meta_one)
     for drafts in ([int(target[0].argmax()), int(target[1].argmax())],
                    [int(target[0].argsort()[-3]), int(target[1].argmin())]):
@@ -350,11 +349,9 @@ def smollm2_engine(base: LLMEngine, config: dict | None) -> LLMEngine:
     return LLMEngine(args, model=base.model, tokenizer=base.tokenizer)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", sorted(PROPOSERS))
-def test_smollm2_greedy_equals_transformers(smollm2, method):
-    """SmolLM2 fp32 rewriting a function: greedy output with drafts equals transformers'
-    greedy decoding token for token (drafts were accepted and rejected)."""
+@pytest.fixture(scope="module")
+def edit_reference(smollm2) -> tuple[list[int], list[int]]:
+    """The edit prompt's tokens and transformers' greedy fp32 continuation (48 tokens)."""
     from transformers import LlamaForCausalLM
 
     from pagedllm.models.loader import model_folder, resolve_model_path
@@ -362,7 +359,15 @@ def test_smollm2_greedy_equals_transformers(smollm2, method):
 
     prompt = smollm2.tokenizer.encode(_EDIT_PROMPT)
     hf = LlamaForCausalLM.from_pretrained(str(model_folder(resolve_model_path(None))), dtype=torch.float32)
-    expected = hf_greedy(hf.eval(), prompt, 48)
+    return prompt, hf_greedy(hf.eval(), prompt, 48)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", sorted(PROPOSERS))
+def test_smollm2_greedy_equals_transformers(smollm2, edit_reference, method):
+    """SmolLM2 fp32 rewriting a function: greedy output with drafts equals transformers'
+    greedy decoding token for token (drafts were accepted and rejected)."""
+    prompt, expected = edit_reference
     engine = smollm2_engine(smollm2, PROPOSERS[method])
     engine.add_request("edit", {"prompt_token_ids": prompt},
                        SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
@@ -472,6 +477,8 @@ def test_counters_count_what_ran_and_reach_prometheus():
     assert stats.spec_decode_num_drafts == len(scheduled_drafts) > 0
     assert stats.spec_decode_num_draft_tokens == sum(map(len, scheduled_drafts))
     assert stats.spec_decode_num_accepted_tokens == sum(accepted) > 0
+    counters = engine.make_kv_snapshot().to_dict()["counters"]  # what /dashboard shows
+    assert counters["spec_decode_acceptance_rate"] == stats.spec_decode_acceptance_rate
 
     metrics = EngineMetrics("m", 128, 16, 64, log_interval=None)
     metrics.update_gauges(stats)
