@@ -491,3 +491,22 @@ def test_counters_count_what_ran_and_reach_prometheus():
                         ("spec_decode_num_accepted_tokens", stats.spec_decode_num_accepted_tokens + 5)):
         for prefix in ("vllm", "pagedllm"):
             assert f'{prefix}:{name}_total{{model_name="m"}} {float(value)}' in text, (prefix, name)
+
+
+def test_served_engine_exports_the_counters():
+    """``/v1/completions`` on an engine with drafts: ``/metrics`` carries the counters under
+    vLLM's names and pagedllm's."""
+    import httpx
+
+    from tests.test_server import InThreadServer, idle, wait_for_metrics
+
+    body = {"prompt": repetitive_prompts(1)[0], "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    with InThreadServer(spec_engine(NGRAM)) as server:
+        result = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        values = wait_for_metrics(server.url, idle)
+    assert result["usage"]["completion_tokens"] == 24
+    drafts = values["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = values["vllm:spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted < drafts and values["vllm:spec_decode_num_drafts_total"] > 0
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert values[f"pagedllm:spec_decode_{name}_total"] == values[f"vllm:spec_decode_{name}_total"]
