@@ -351,7 +351,7 @@ def smollm2_engine(base: LLMEngine, config: dict | None) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def edit_reference(smollm2) -> tuple[list[int], list[int]]:
-    """The edit prompt's tokens and transformers' greedy fp32 continuation (48 tokens)."""
+    """The edit prompt's tokens and transformers' greedy fp32 continuation (32 tokens)."""
     from transformers import LlamaForCausalLM
 
     from pagedllm.models.loader import model_folder, resolve_model_path
@@ -359,7 +359,7 @@ def edit_reference(smollm2) -> tuple[list[int], list[int]]:
 
     prompt = smollm2.tokenizer.encode(_EDIT_PROMPT)
     hf = LlamaForCausalLM.from_pretrained(str(model_folder(resolve_model_path(None))), dtype=torch.float32)
-    return prompt, hf_greedy(hf.eval(), prompt, 48)
+    return prompt, hf_greedy(hf.eval(), prompt, 32)
 
 
 @pytest.mark.slow
@@ -370,7 +370,7 @@ def test_smollm2_greedy_equals_transformers(smollm2, edit_reference, method):
     prompt, expected = edit_reference
     engine = smollm2_engine(smollm2, PROPOSERS[method])
     engine.add_request("edit", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+                       SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     assert run_to_completion(engine)["edit"].outputs[0].token_ids == expected
     stats = engine.make_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens, stats
@@ -378,16 +378,19 @@ def test_smollm2_greedy_equals_transformers(smollm2, edit_reference, method):
 
 
 @pytest.mark.slow
-def test_smollm2_stop_string_inside_accepted_drafts(smollm2):
-    """A stop string completed by an accepted draft ends the output exactly where one token
-    at a time ends it: same text, tokens and finish reason."""
+def test_smollm2_stop_string_output_equals_non_speculative(smollm2):
+    """With a stop string, SmolLM2's output with drafts ends where one token at a time ends
+    it: same text, tokens, finish and stop reason."""
     plain = smollm2_engine(smollm2, None)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     plain.add_request("full", _EDIT_PROMPT, params)
     text = run_to_completion(plain)["full"].outputs[0].text
-    # A stop string from the middle of the output (computed, so it is surely reached).
-    stop = text[len(text) // 2:len(text) // 2 + 4]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+    # A stop string that first occurs in the middle of the output.
+    start, length = len(text) // 2, 4
+    while text.find(text[start:start + length]) < start:
+        length += 1
+    stop = text[start:start + length]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop])
     outputs = []
     for config in (None, NGRAM):
         engine = smollm2_engine(smollm2, config)
@@ -396,7 +399,7 @@ def test_smollm2_stop_string_inside_accepted_drafts(smollm2):
     assert engine.make_stats().spec_decode_num_accepted_tokens > 0
     (a, b) = outputs
     assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (b.text, b.token_ids, b.finish_reason, b.stop_reason)
-    assert a.finish_reason == "stop" and len(a.token_ids) < 40
+    assert a.finish_reason == "stop" and len(a.token_ids) < 32
 
 
 # ----------------------------------------------------------------------------- options, refusals
@@ -510,3 +513,67 @@ def test_served_engine_exports_the_counters():
     assert 0 < accepted < drafts and values["vllm:spec_decode_num_drafts_total"] > 0
     for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert values[f"pagedllm:spec_decode_{name}_total"] == values[f"vllm:spec_decode_{name}_total"]
+
+
+class _TokenTextTokenizer:
+    """Token ``i`` reads ``<i>``: enough of a tokenizer for the detokenizer's stop strings."""
+
+    all_special_ids: list = []
+    added_tokens_decoder: dict = {}
+
+    def __len__(self) -> int:
+        return 256
+
+    def convert_ids_to_tokens(self, token_ids):
+        return [f"<{i}>" for i in token_ids]
+
+    def convert_tokens_to_string(self, tokens) -> str:
+        return "".join(tokens)
+
+
+def test_stop_string_completed_inside_accepted_drafts_drops_the_tokens_after_it():
+    """A stop string completed by an accepted draft, not the last token of its step: the
+    tokens the step gave after it are dropped, and the output (tokens, text, finish and stop
+    reason) equals one-token-at-a-time decoding."""
+    prompt = repetitive_prompts(1)[0]
+
+    def run(config, stop):
+        engine = spec_engine(config)
+        # Prompts stay token ids; only stop strings need the text.
+        engine.input_processor.tokenizer = engine.output_processor.tokenizer = _TokenTextTokenizer()
+        steps = []
+        process_tokens = engine._process_tokens
+
+        def spy(request, token_ids):
+            steps.append(list(token_ids))
+            return process_tokens(request, token_ids)
+
+        engine._process_tokens = spy
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=stop)
+        engine.add_request("r", prompt, params)
+        return run_to_completion(engine)["r"].outputs[0], steps
+
+    _, steps = run(NGRAM, None)
+    output = [t for step in steps for t in step]
+
+    def first_end(pattern: list[int]) -> int:
+        return next(i + len(pattern) - 1 for i in range(len(output)) if output[i:i + len(pattern)] == pattern)
+
+    # The shortest run of tokens whose first occurrence ends inside a multi-token step, before
+    # that step's last token (accepted drafts repeat earlier text, so it spans back before
+    # the drafts that were copied).
+    candidates = []
+    position = 0
+    for step in steps:
+        for end in range(position, position + len(step) - 1):
+            length = next((n for n in range(1, end + 2) if first_end(output[end - n + 1:end + 1]) == end), None)
+            if length is not None:
+                candidates.append((length, end))
+        position += len(step)
+    length, end = min(candidates)
+    stop = ["".join(f"<{t}>" for t in output[end - length + 1:end + 1])]
+    (plain, _), (spec, spec_steps) = run(None, stop), run(NGRAM, stop)
+    assert (plain.token_ids, plain.text, plain.finish_reason, plain.stop_reason) == \
+        (spec.token_ids, spec.text, spec.finish_reason, spec.stop_reason)
+    assert spec.finish_reason == "stop" and spec.token_ids == output[:end + 1]
+    assert sum(map(len, spec_steps)) > len(spec.token_ids)  # tokens after the stop were dropped
