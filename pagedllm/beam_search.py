@@ -128,8 +128,12 @@ def beam_search(engine: "LLMEngine", prompts: list["PromptType"],
     Raises:
         ValueError: an engine with requests in flight, a bad prompt, ``prompt + max_tokens``
             above ``max_model_len``, ``beam_width`` above ``max_num_seqs``, or one prompt's
-            beams needing more blocks than the pool has.
+            beams needing more blocks than the pool has, or an engine with
+            ``speculative_config`` (a step would extend a beam by several tokens, while the
+            search selects after every token).
     """
+    if engine.args.speculative_config is not None:
+        raise ValueError("beam search is not supported with speculative_config: build the LLM without it")
     if engine.has_unfinished_requests():
         raise ValueError("beam search runs on an idle engine: finish or abort the requests in flight first")
     if params.beam_width > engine.args.max_num_seqs:

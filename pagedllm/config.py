@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import typing
@@ -45,6 +46,105 @@ _NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "to
 # The HTTP server's limit on a request body, bytes (--max-request-body-bytes): a 32k-token
 # prompt is ~0.3 MB as token ids, a batch of 256 such prompts as text ~30 MB.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 64 * 2**20
+
+
+SPECULATIVE_METHODS = ("ngram", "suffix")
+
+# vLLM's other methods, refused by name so that a vLLM configuration fails with a clear message.
+_UNSUPPORTED_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp",
+                                    "deepseek_mtp")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``, same field names and meanings).
+
+    Attributes:
+        method: ``"ngram"`` (prompt lookup: the continuation of the latest earlier occurrence
+            of the sequence's last n tokens, ``spec_decode/ngram_proposer.py``) or
+            ``"suffix"`` (the most frequent continuation in a suffix trie over the prompt and
+            the request's output, ``spec_decode/suffix_proposer.py``).
+        num_speculative_tokens: most draft tokens verified per sequence and step (>= 1).
+        prompt_lookup_min, prompt_lookup_max: ``ngram``: shortest and longest suffix (tokens)
+            matched. vLLM's rule: one given, the other equals it; neither: both 5.
+        suffix_decoding_max_tree_depth: ``suffix``: longest substring (tokens) the trie holds,
+            so the longest match and the memory bound (nodes <= tokens x depth).
+        suffix_decoding_max_spec_factor: ``suffix``: at most ``factor x match length`` draft
+            tokens (a short match is a weak prediction).
+        suffix_decoding_min_token_prob: ``suffix``: stop drafting when the draft's estimated
+            probability (product of each step's count / parent count) falls below this.
+        disable_by_batch_size: propose nothing in a step when more than this many sequences
+            are running (vLLM's name): verification rows cost compute, and a large batch is
+            compute-bound already. None: never turn it off.
+        model: a draft model (vLLM's ``draft_model`` method): refused, not implemented.
+
+    Raises:
+        ValueError: an unknown field or method, a method pagedllm does not implement, or a
+            value out of range (``from_dict``).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    disable_by_batch_size: Optional[int] = 4
+    model: Optional[str] = None
+
+    @classmethod
+    def from_dict(cls, values: Union[dict, str, "SpeculativeConfig"]) -> "SpeculativeConfig":
+        """Parse and check a ``speculative_config`` dict (or its JSON text, as the CLI gives it)."""
+        if isinstance(values, SpeculativeConfig):
+            values = dataclasses.asdict(values)
+        if isinstance(values, str):
+            try:
+                values = json.loads(values)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got {values!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported field(s) {unknown}; pagedllm supports {sorted(names)}")
+        config = cls(**values)
+        config.verify()
+        return config
+
+    def verify(self) -> None:
+        """Fill the ``prompt_lookup`` defaults and check every field (ValueError)."""
+        if self.model is not None or self.method in _UNSUPPORTED_SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method {self.method!r}"
+                             f"{'' if self.model is None else f' (model {self.model!r})'} is not supported by "
+                             f"pagedllm; supported methods: {', '.join(SPECULATIVE_METHODS)}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        positive = {"num_speculative_tokens": self.num_speculative_tokens,
+                    "suffix_decoding_max_tree_depth": self.suffix_decoding_max_tree_depth}
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        positive.update(prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
+        if self.disable_by_batch_size is not None:
+            positive["disable_by_batch_size"] = self.disable_by_batch_size
+        for name, value in positive.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if not (isinstance(self.suffix_decoding_max_spec_factor, (int, float)) and self.suffix_decoding_max_spec_factor > 0):
+            raise ValueError("speculative_config: suffix_decoding_max_spec_factor must be > 0, got "
+                             f"{self.suffix_decoding_max_spec_factor!r}")
+        if not (isinstance(self.suffix_decoding_min_token_prob, (int, float))
+                and 0 <= self.suffix_decoding_min_token_prob <= 1):
+            raise ValueError("speculative_config: suffix_decoding_min_token_prob must be in [0, 1], got "
+                             f"{self.suffix_decoding_min_token_prob!r}")
 
 
 def _option(default: Any, help: str, **cli: Any) -> Any:
@@ -147,6 +247,14 @@ class EngineArgs:
     max_cpu_loras: Optional[int] = _option(
         None, "most LoRA adapters kept in memory as read from disk (an LRU; default: max_loras); "
               "one dropped is read again when a request needs it")
+    speculative_config: Optional[dict] = _option(
+        None, "speculative decoding, as vLLM's JSON object, e.g. '{\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": 5}': method ngram (prompt lookup; prompt_lookup_min / "
+              "prompt_lookup_max) or suffix (suffix_decoding_max_tree_depth, _max_spec_factor, "
+              "_min_token_prob); disable_by_batch_size (default 4) turns it off in steps with more "
+              "running sequences. Greedy output is unchanged and sampled output keeps its "
+              "distribution (rejection sampling); see docs/speculative-decoding.md",
+        parse=json.loads)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -172,7 +280,8 @@ class EngineArgs:
                 group.add_argument(*flags, dest=option.name, default=option.default,
                                    action=argparse.BooleanOptionalAction, help=help_text)
             else:
-                group.add_argument(*flags, dest=option.name, default=option.default, type=kind,
+                group.add_argument(*flags, dest=option.name, default=option.default,
+                                   type=metadata.get("parse", kind),
                                    choices=metadata.get("choices"), help=help_text)
 
     @classmethod
@@ -272,9 +381,16 @@ class EngineArgs:
         if self.enable_lora and tp_size > 1:
             raise ValueError(f"enable_lora with tensor_parallel_size={tp_size} is not supported (the "
                              "adapters' A/B are not sharded): use tensor_parallel_size=1")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported "
                              "(use 1; tensor_parallel_size splits a model over processes)")
+
+    @property
+    def speculative(self) -> Optional[SpeculativeConfig]:
+        """``speculative_config`` parsed and checked (None: no speculative decoding)."""
+        return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -8,7 +8,9 @@ near the limit" is one expression) and ``pagedllm:engine_healthy`` (0 once the e
 while the HTTP server still answers).
 
 Three gauges are exported under vLLM's own names as well: ``vllm:num_requests_running``,
-``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc``. Routers and autoscalers built for
+``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc``; so are the speculative decoding
+counters ``vllm:spec_decode_num_drafts``, ``vllm:spec_decode_num_draft_tokens`` and
+``vllm:spec_decode_num_accepted_tokens`` (acceptance rate = accepted / draft tokens). Routers and autoscalers built for
 vLLM read exactly these (vllm-project/production-stack's router, the Gateway API Inference
 Extension's endpoint picker), so they can route to pagedllm unchanged; three series cost nothing.
 
@@ -74,6 +76,18 @@ class _RequestStats:
 
 
 @dataclass(frozen=True)
+class _TwinCounter:
+    """One count exported under two names (``pagedllm:`` and vLLM's ``vllm:``)."""
+
+    own: Counter
+    vllm: Counter
+
+    def inc(self, amount: float) -> None:
+        self.own.inc(amount)
+        self.vllm.inc(amount)
+
+
+@dataclass(frozen=True)
 class _TwinGauge:
     """One value exported under two names (``pagedllm:`` and vLLM's ``vllm:``)."""
 
@@ -122,6 +136,10 @@ class EngineMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(f"pagedllm:{name}", doc, labels, registry=self.registry).labels(model_name)
 
+        def vllm_compatible_counter(name: str, doc: str) -> "_TwinCounter":
+            return _TwinCounter(counter(name, doc), Counter(f"vllm:{name}", doc + " (vLLM's name)", labels,
+                                                            registry=self.registry).labels(model_name))
+
         def histogram(name: str, doc: str, buckets: list) -> Histogram:
             return Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets,
                              registry=self.registry).labels(model_name)
@@ -138,6 +156,12 @@ class EngineMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_decode_num_drafts = vllm_compatible_counter(
+            "spec_decode_num_drafts", "Speculative decoding: times a sequence verified drafts in a step.")
+        self.spec_decode_num_draft_tokens = vllm_compatible_counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = vllm_compatible_counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.")
         success = Counter("pagedllm:request_success", "Finished sequences by finish reason.",
                           ["model_name", "finished_reason"], registry=self.registry)
         # Created up front so that every series exists (at 0) from the first scrape on.
@@ -181,6 +205,7 @@ class EngineMetrics:
         self._num_preemptions_seen = 0
         self._prefix_queries_seen = 0
         self._prefix_hits_seen = 0
+        self._spec_decode_seen = (0, 0, 0)
         self.log_interval = log_interval
         self._last_log_time = time.monotonic()
         self._prompt_tokens_since_log = 0
@@ -271,6 +296,12 @@ class EngineMetrics:
                 self.lora_requests_info.labels(
                     self._max_loras, ",".join(name for name, _ in stats.waiting_lora_adapters),
                     ",".join(name for name, _ in stats.running_lora_adapters)).set_to_current_time()
+            totals = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+                      stats.spec_decode_num_accepted_tokens)
+            for series, total, seen in zip((self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+                                            self.spec_decode_num_accepted_tokens), totals, self._spec_decode_seen):
+                series.inc(max(0, total - seen))
+            self._spec_decode_seen = tuple(map(max, totals, self._spec_decode_seen))
         except Exception:
             logger.exception("metrics: reading the engine's stats failed (the engine keeps running)")
 

@@ -88,7 +88,8 @@ def test_prefix_cache_hits_shared_blocks_and_cached_free_blocks_exactly():
         num_evictions=0, num_forks=0, num_copies=0,
         num_stored_tokens=4 + 4 + 3 + 3,  # blocks 0, 1 full; a's and b's third blocks hold 3 each
         num_reserved_slots=16,
-        num_contiguous_slots=(10 + 20) + (11 + 20))  # prompt + max_tokens each
+        num_contiguous_slots=(10 + 20) + (11 + 20),  # prompt + max_tokens each
+        spec_decode_num_draft_tokens=0, spec_decode_num_accepted_tokens=0)  # no speculative decoding
     assert counters.prefix_cache_hit_rate == 8 / 21 and counters.kv_cache_usage == 4 / 64
 
     engine.abort_request("a")  # its partial block 2 goes back empty; 0 and 1 stay with b

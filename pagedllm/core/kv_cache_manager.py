@@ -304,6 +304,20 @@ class KVCacheManager:
         # it is the first to be evicted.
         self.block_pool.free(list(reversed(blocks)))
 
+    def free_blocks_after(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past those that hold its first ``num_tokens`` tokens: after
+        a speculative step, the blocks allocated for drafts that were rejected. Such a block
+        was allocated this step and written only with rejected K/V, so it is neither shared
+        nor cached, and it goes back to the free pool without a key."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = self.num_blocks_needed(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        assert all(block.ref_count == 1 and block.cache_id is None for block in tail), tail
+        self.block_pool.free(list(reversed(tail)))
+
     def get_block_ids(self, request_id: RequestId) -> list[int]:
         """The request's block table: physical block id per logical block ([] without blocks)."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]

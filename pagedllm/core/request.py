@@ -65,6 +65,9 @@ class Request:
         grammar: the sequence's ``structured_outputs`` state (None: unconstrained). It has
             accepted exactly ``output_token_ids``: advanced with each appended token, untouched
             by preemption and recompute.
+        spec_token_ids: draft tokens proposed to follow ``all_token_ids`` (speculative
+            decoding), verified in the next step that schedules them; never part of
+            ``output_token_ids`` until the model accepted them.
 
     Penalties read ``prompt_token_ids`` (repetition) and ``output_token_ids`` (all three)
     directly: the two lists stay apart across preemption, which only resets
@@ -98,6 +101,7 @@ class Request:
         self.num_cached_tokens = -1
         self.pending_forks: list[Request] = []
         self.grammar: Optional[GrammarState] = None
+        self.spec_token_ids: list[int] = []
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed + seed_offset)
 

@@ -33,12 +33,16 @@ class SchedulerOutput:
             before the forward.
         lora_ids_in_use: the LoRA adapters (``lora_int_id``) of every running request after
             this schedule, scheduled in this step or not; at most ``max_loras`` of them.
+        scheduled_spec_decode_tokens: request_id -> the draft tokens it verifies this step
+            (vLLM's name). Such a request's ``num_new_tokens`` is ``1 + len(drafts)``: its
+            last token, then the drafts, at the positions that follow.
     """
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     lora_ids_in_use: frozenset[int] = frozenset()
+    scheduled_spec_decode_tokens: dict[RequestId, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -90,6 +94,16 @@ class Scheduler:
     are done, so while requests of the running adapters keep arriving it keeps waiting (as in
     vLLM: no aging across adapters).
 
+    Speculative decoding (vLLM v1's scheduling of ``spec_token_ids``): a running request in
+    decode with drafts (``request.spec_token_ids``, set between steps from
+    ``spec_decode_candidates``) computes its last token and the drafts in one step, if the
+    budget and the pool allow (drafts are cut to the budget and dropped, never preempting
+    anyone, when blocks are short). ``update_from_output`` appends the accepted drafts and the
+    token sampled after them, and rolls back what was rejected: ``num_computed_tokens`` counts
+    only accepted tokens' K/V, blocks that hold only rejected slots are freed, and since block
+    keys are computed from ``all_token_ids`` up to ``num_computed_tokens``, no prefix-cache key
+    ever includes a rejected token.
+
     Args:
         kv_cache_manager: owner of the block tables.
         max_num_seqs: most requests running at once.
@@ -99,6 +113,9 @@ class Scheduler:
         priority_aging_interval: seconds of waiting worth one priority level under
             ``priority`` (0: no aging; a low priority can then starve).
         max_loras: most distinct LoRA adapters among running requests (None: LoRA is off).
+        num_speculative_tokens: most drafts per request and step (0: no speculative decoding).
+        disable_spec_by_batch_size: no drafts in a step when more requests than this are
+            running (None: no limit).
 
     Raises:
         ValueError: an unknown policy or a negative ``priority_aging_interval``.
@@ -106,7 +123,8 @@ class Scheduler:
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs",
-                 priority_aging_interval: float = 0.0, max_loras: Optional[int] = None) -> None:
+                 priority_aging_interval: float = 0.0, max_loras: Optional[int] = None,
+                 num_speculative_tokens: int = 0, disable_spec_by_batch_size: Optional[int] = None) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         if not priority_aging_interval >= 0:
@@ -122,6 +140,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
         self.num_preemptions = 0
+        self.num_speculative_tokens = num_speculative_tokens
+        self.disable_spec_by_batch_size = disable_spec_by_batch_size
+        # Running totals (vLLM's spec_decode_num_* counters): steps where a request verified
+        # drafts, drafts verified, drafts accepted.
+        self.spec_decode_num_drafts = 0
+        self.spec_decode_num_draft_tokens = 0
+        self.spec_decode_num_accepted_tokens = 0
 
     # ----------------------------------------------------------------------------- queues
     def add_request(self, request: Request) -> None:
@@ -193,6 +218,15 @@ class Scheduler:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             assert num_new_tokens > 0, request
+            drafts, request.spec_token_ids = request.spec_token_ids[:token_budget - 1], []
+            if drafts and num_new_tokens == 1:
+                # Drafts only use blocks that are free: never preempt anyone for a guess.
+                if self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)):
+                    output.scheduled.append((request, 1 + len(drafts)))
+                    output.scheduled_spec_decode_tokens[request.request_id] = drafts
+                    token_budget -= 1 + len(drafts)
+                    index += 1
+                    continue
             while not self.kv_cache_manager.allocate_slots(request, num_new_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -245,7 +279,37 @@ class Scheduler:
             assert len(output.lora_ids_in_use) <= self.max_loras, output.lora_ids_in_use
         return output
 
+    def spec_decode_candidates(self) -> list[tuple[Request, int]]:
+        """The running requests that may get drafts for the next step, each with the most
+        drafts it may get: none when speculation is off or more than
+        ``disable_spec_by_batch_size`` requests run (the step is compute-bound then).
+
+        A request qualifies when it decodes (only its last token is uncomputed), has no
+        samples waiting to fork, and its sampling does not depend on the tokens before each
+        row: penalties, ``bad_words``, ``structured_outputs`` and an unmet ``min_tokens`` read
+        the output so far, which differs for every verified position (those requests simply
+        decode one token per step). Its drafts leave room for the token sampled after them
+        within ``max_tokens`` and ``max_model_len``.
+        """
+        if not self.num_speculative_tokens or (self.disable_spec_by_batch_size is not None
+                                               and len(self.running) > self.disable_spec_by_batch_size):
+            return []
+        candidates = []
+        for request in self.running:
+            params = request.sampling_params
+            if (request.num_computed_tokens != request.num_tokens - 1 or request.pending_forks
+                    or request.grammar is not None or params.needs_penalties or params.bad_words
+                    or len(request.output_token_ids) < params.min_tokens):
+                continue
+            max_drafts = min(self.num_speculative_tokens,
+                             request.max_tokens - len(request.output_token_ids) - 1,
+                             self.max_model_len - request.num_tokens - 1)
+            if max_drafts > 0:
+                candidates.append((request, max_drafts))
+        return candidates
+
     def _preempt(self, request: Request) -> None:
+        request.spec_token_ids = []
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -254,25 +318,47 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ----------------------------------------------------------------------------- update
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled_token_ids: dict[RequestId, int]) -> list[Request]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[RequestId, int],
+                           num_accepted_tokens: Optional[dict[RequestId, int]] = None) -> list[Request]:
         """Advance progress after the model ran; append sampled tokens; finish requests.
 
         Args:
             scheduler_output: what was scheduled.
             sampled_token_ids: request_id -> new token, for the requests whose scheduled
-                chunk reached their last token and for their ``pending_forks``.
+                chunk reached their last token and for their ``pending_forks``; for a request
+                that verified drafts, the token sampled after its accepted ones.
+            num_accepted_tokens: request_id -> how many of its drafts (a prefix of them) the
+                model accepted (missing: 0).
 
         Returns:
             The requests that finished in this step (their blocks are already freed).
         """
         finished: list[Request] = []
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for request, num_new_tokens in scheduler_output.scheduled:
             if request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += num_new_tokens
+            drafts = spec_tokens.get(request.request_id, ())
+            # Drafts count as computed once accepted (_append_token), so a rejected one never
+            # enters num_computed_tokens or a block key.
+            request.num_computed_tokens += num_new_tokens - len(drafts)
             # Its K/V is written now, so its full blocks may be offered to others.
             self.kv_cache_manager.cache_blocks(request)
+            if drafts:
+                num_accepted = (num_accepted_tokens or {}).get(request.request_id, 0)
+                self.spec_decode_num_drafts += 1
+                self.spec_decode_num_draft_tokens += len(drafts)
+                self.spec_decode_num_accepted_tokens += num_accepted
+                for draft_token_id in drafts[:num_accepted]:
+                    self._append_token(request, draft_token_id, finished, computed=True)
+                    if request.is_finished():
+                        break
+                else:
+                    self._append_token(request, sampled_token_ids[request.request_id], finished)
+                if not request.is_finished():
+                    self.kv_cache_manager.cache_blocks(request)
+                    self.kv_cache_manager.free_blocks_after(request, request.num_tokens)
+                continue
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is None:
                 if request.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
@@ -313,8 +399,13 @@ class Scheduler:
         # (under ``priority`` the next ``schedule()`` sorts it by its key anyway).
         bisect.insort(self.running, child, key=lambda request: request.arrival_time)
 
-    def _append_token(self, request: Request, token_id: int, finished: list[Request]) -> None:
+    def _append_token(self, request: Request, token_id: int, finished: list[Request],
+                      computed: bool = False) -> None:
+        """Append a token (``computed``: an accepted draft, whose K/V this step wrote) and end
+        the request if it stops it."""
         request.output_token_ids.append(token_id)
+        if computed:
+            request.num_computed_tokens += 1
         if request.grammar is not None and not request.grammar.accept_token(token_id):
             # Reached when other masks overrode the grammar's (a row whose every token was
             # masked keeps its raw logits), or when llguidance gave up on the grammar: end it
@@ -328,6 +419,8 @@ class Scheduler:
             request.status = status
             self.running.remove(request)
             del self.requests[request.request_id]
+            if computed:
+                self.kv_cache_manager.cache_blocks(request)
             self.kv_cache_manager.free(request)
             finished.append(request)
 

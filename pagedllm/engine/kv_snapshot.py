@@ -89,6 +89,8 @@ class KVCounters:
         num_contiguous_slots: slots a contiguous-reservation system would hold for the running
             sequences: ``min(prompt + max_tokens, max_model_len)`` each (the paper's figure 2
             comparison).
+        spec_decode_num_draft_tokens / spec_decode_num_accepted_tokens: speculative decoding's
+            drafts verified / accepted since the engine was built.
     """
 
     num_blocks: int
@@ -108,6 +110,8 @@ class KVCounters:
     num_stored_tokens: int
     num_reserved_slots: int
     num_contiguous_slots: int
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -117,6 +121,11 @@ class KVCounters:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        drafts = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / drafts if drafts else 0.0
 
 
 @dataclass(frozen=True)
@@ -153,7 +162,8 @@ class KVCacheSnapshot:
         """The JSON form served at ``/debug/kv`` (documented in docs/dashboard.md)."""
         counters = dict(vars(self.counters))  # not asdict(): it deep-copies every table entry
         counters.update(kv_cache_usage=self.counters.kv_cache_usage,
-                        prefix_cache_hit_rate=self.counters.prefix_cache_hit_rate)
+                        prefix_cache_hit_rate=self.counters.prefix_cache_hit_rate,
+                        spec_decode_acceptance_rate=self.counters.spec_decode_acceptance_rate)
         return {
             "version": self.version,
             "step": self.step,
@@ -223,7 +233,8 @@ def make_kv_snapshot(version: int, step: int, scheduler: Scheduler, kv_cache_man
         prefix_cache_hits=stats.prefix_cache_hits, num_evictions=stats.num_evictions,
         num_forks=kv_cache_manager.num_forks, num_copies=kv_cache_manager.num_copies,
         num_stored_tokens=stats.num_stored_tokens, num_reserved_slots=stats.num_used_blocks * block_size,
-        num_contiguous_slots=contiguous)
+        num_contiguous_slots=contiguous, spec_decode_num_draft_tokens=scheduler.spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens=scheduler.spec_decode_num_accepted_tokens)
     return KVCacheSnapshot(version=version, step=step, block_size=block_size, block_state=tuple(block_state),
                            ref_count=tuple(ref_counts), owner=tuple(owner), requests=tuple(requests),
                            counters=counters, events=tuple(kv_cache_manager.recent_events))

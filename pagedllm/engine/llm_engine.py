@@ -36,6 +36,7 @@ from pagedllm.engine.kv_snapshot import KVCacheSnapshot, make_kv_snapshot
 from pagedllm.engine.stats import IterationStats, ModelInfo, SchedulerStats
 from pagedllm.outputs import RequestOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode import Proposer, make_proposer
 from pagedllm.structured_output import GrammarCompiler
 from pagedllm.worker.kv_cache_sizing import bytes_per_block, determine_num_blocks
 from pagedllm.worker.model_runner import ModelRunner
@@ -169,10 +170,14 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size,
                                                enable_caching=engine_args.enable_prefix_caching)
+        speculative = engine_args.speculative
+        self.proposer: Optional[Proposer] = None if speculative is None else make_proposer(speculative)
         self.scheduler = Scheduler(self.kv_cache_manager, engine_args.max_num_seqs,
                                    engine_args.max_num_batched_tokens, self.max_model_len,
                                    engine_args.scheduling_policy, engine_args.priority_aging_interval,
-                                   max_loras=engine_args.max_loras if engine_args.enable_lora else None)
+                                   max_loras=engine_args.max_loras if engine_args.enable_lora else None,
+                                   num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+                                   disable_spec_by_batch_size=speculative.disable_by_batch_size if speculative else None)
         self.lora_manager: Optional[LoRAModelManager] = None
         if engine_args.enable_lora:
             self.lora_manager = LoRAModelManager(model, engine_args.max_loras, engine_args.max_lora_rank,
@@ -380,7 +385,7 @@ class LLMEngine:
         self._scheduled_once.add(child_id)  # it never waited
         self.output_processor.fork(child)
         self.scheduler.fork_request(parent, child, token_id)
-        self._process_token(child, token_id)
+        self._process_tokens(child, [token_id])
         if child.is_finished():
             self._emit(self.parents[child_id])
 
@@ -479,7 +484,8 @@ class LLMEngine:
             self.check_health()
             runner_output = self.model_runner.execute_model(scheduler_output.scheduled, block_tables,
                                                             scheduler_output.blocks_to_copy,
-                                                            scheduler_output.lora_ids_in_use)
+                                                            scheduler_output.lora_ids_in_use,
+                                                            scheduler_output.scheduled_spec_decode_tokens)
         except TensorParallelError as exc:
             # Fatal: the ranks are out of step and cannot be brought back.
             self._tp_error = self._tp_workers.failure(exc) if self._tp_workers and exc is not self._tp_error else exc
@@ -500,15 +506,25 @@ class LLMEngine:
             raise
         for request_id, records in runner_output.prompt_logprobs.items():
             requests[request_id].prompt_logprobs.extend(records)
-        for request_id, record in runner_output.logprobs.items():
-            request = requests[request_id]
-            request.cumulative_logprob += record.logprobs[0]
-            if request.sampling_params.logprobs is not None:
-                request.logprobs.append(record)
         sampled = runner_output.sampled_token_ids
-        finished = self.scheduler.update_from_output(scheduler_output, sampled)
-        for request_id, token_id in sampled.items():
-            self._process_token(requests[request_id], token_id)
+        num_outputs = {request_id: len(requests[request_id].output_token_ids) for request_id in sampled}
+        finished = self.scheduler.update_from_output(scheduler_output, sampled,
+                                                     runner_output.num_accepted_tokens)
+        for request_id, num_before in num_outputs.items():
+            # One token, or with speculative decoding up to the accepted drafts plus one (fewer
+            # when one of them ended the request).
+            request = requests[request_id]
+            if len(request.output_token_ids) == num_before:
+                continue
+            records = runner_output.draft_logprobs.get(request_id, []) + [runner_output.logprobs[request_id]]
+            num_kept = self._process_tokens(request, request.output_token_ids[num_before:])
+            for record in records[:num_kept]:
+                request.cumulative_logprob += record.logprobs[0]
+                if request.sampling_params.logprobs is not None:
+                    request.logprobs.append(record)
+        if self.proposer is not None:
+            for request, max_num_tokens in self.scheduler.spec_decode_candidates():
+                request.spec_token_ids = self.proposer.propose(request, max_num_tokens)
         changed = {self._child_to_parent[request_id] for request_id in sampled}
         changed.update(self._child_to_parent[request.request_id] for request in finished)
         for parent_id in [pid for pid in self.parents if pid in changed]:
@@ -520,9 +536,18 @@ class LLMEngine:
                 self._forget(parent_id)
         return outputs
 
-    def _process_token(self, request: Request, token_id: int) -> None:
-        """Decode a token the request just got; a stop string in the text ends it."""
-        stop = self.output_processor.process_tokens(request, [token_id])
+    def _process_tokens(self, request: Request, token_ids: list[int]) -> int:
+        """Decode the tokens the request just got (already appended); a stop string in the
+        text ends it, and the tokens after the one that completed it are dropped (several
+        tokens come at once only from speculative decoding, whose output must equal one
+        token at a time).
+
+        Returns:
+            How many of ``token_ids`` the request keeps.
+        """
+        stop, num_kept = self.output_processor.process_tokens(request, token_ids)
+        if num_kept < len(token_ids):
+            del request.output_token_ids[num_kept - len(token_ids):]
         if stop is not None:
             request.stop_reason = stop
             if request.is_finished():
@@ -530,6 +555,7 @@ class LLMEngine:
                 request.status = RequestStatus.FINISHED_STOPPED
             else:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        return num_kept
 
     def _log_preemptions(self, preempted: list[Request]) -> None:
         """A warning at the first preemption and at every 50th after it (vLLM's cadence,
@@ -571,7 +597,10 @@ class LLMEngine:
                               iteration=self._iteration,
                               num_waiting_by_priority=self._waiting_by_priority(),
                               running_lora_adapters=_count_adapters(self.scheduler.running),
-                              waiting_lora_adapters=_count_adapters(self.scheduler.waiting))
+                              waiting_lora_adapters=_count_adapters(self.scheduler.waiting),
+                              spec_decode_num_drafts=self.scheduler.spec_decode_num_drafts,
+                              spec_decode_num_draft_tokens=self.scheduler.spec_decode_num_draft_tokens,
+                              spec_decode_num_accepted_tokens=self.scheduler.spec_decode_num_accepted_tokens)
 
     def _waiting_by_priority(self) -> tuple[tuple[int, int], ...]:
         """O(waiting) under the priority policy, nothing under fcfs (where priority is 0)."""
@@ -644,6 +673,8 @@ class LLMEngine:
         for child in children:
             del self._child_to_parent[child.request_id]
             self._scheduled_once.discard(child.request_id)
+            if self.proposer is not None:
+                self.proposer.remove(child.request_id)
         self.output_processor.free([child.request_id for child in children])
 
     def _make_output(self, parent: ParentRequest) -> Optional[RequestOutput]:

@@ -62,26 +62,31 @@ class OutputProcessor:
         self._states[request.request_id] = _SequenceState(detokenizer, num_sent_tokens=first_output,
                                                           first_output=first_output)
 
-    def process_tokens(self, request: Request, new_token_ids: Sequence[int]) -> Optional[str]:
+    def process_tokens(self, request: Request, new_token_ids: Sequence[int]) -> tuple[Optional[str], int]:
         """Decode the tokens the request just got (already appended to it).
 
         Returns:
-            The stop string now in the text, or None. The caller ends the request then; the
-            text is already cut at the match.
+            ``(stop, num_decoded)``: the stop string now in the text, or None (the caller
+            ends the request then; the text is already cut at the match), and how many of
+            ``new_token_ids`` were decoded: all of them, or up to the one that completed the
+            stop string.
         """
         detokenizer = self._state(request).detokenizer
         if detokenizer is None:
-            return None
+            return None, len(new_token_ids)
         # Ended by an EOS or stop token (whose text is dropped), not by a complete
         # structured_outputs constraint (whose last token is part of the output).
         params, last = request.sampling_params, request.output_token_ids[-1]
         stop_terminated = (request.status == RequestStatus.FINISHED_STOPPED
                            and ((last == request.eos_token_id and not params.ignore_eos)
                                 or last in params.stop_token_ids))
+        num_before = detokenizer.num_output_tokens
         stop = detokenizer.update(new_token_ids, stop_terminated)
-        if stop is None and request.is_finished():
-            detokenizer.flush()
-        return stop
+        if stop is None:
+            if request.is_finished():
+                detokenizer.flush()
+            return None, len(new_token_ids)
+        return stop, detokenizer.num_output_tokens - num_before
 
     def make_output(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     children: Sequence[Request], num_cached_tokens: int = 0) -> Optional[RequestOutput]:

@@ -65,6 +65,9 @@ class SchedulerStats:
         running_lora_adapters / waiting_lora_adapters: ``(lora_name, sequences)`` pairs by
             name, of the running / waiting sequences that have a LoRA adapter (vLLM's
             ``LoRAStats``; ``vllm:lora_requests_info``).
+        spec_decode_num_drafts, spec_decode_num_draft_tokens, spec_decode_num_accepted_tokens:
+            speculative decoding since the engine was built (vLLM's counters): times a
+            sequence verified drafts in a step, drafts verified, drafts accepted.
     """
 
     num_running_reqs: int = 0
@@ -78,6 +81,9 @@ class SchedulerStats:
     num_waiting_by_priority: tuple[tuple[int, int], ...] = ()
     running_lora_adapters: tuple[tuple[str, int], ...] = ()
     waiting_lora_adapters: tuple[tuple[str, int], ...] = ()
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     def num_waiting_ahead(self, priority: Optional[int]) -> int:
         """Sequences a new request of ``priority`` queues behind: all waiting ones under
@@ -95,6 +101,12 @@ class SchedulerStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted / verified drafts since start (0.0 before any)."""
+        drafts = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / drafts if drafts else 0.0
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from pagedllm.layers.ops import native_ops
 from pagedllm.lora.manager import LoRAMapping, LoRAModelManager
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.outputs import TokenLogprobs
+from pagedllm.worker.rejection_sampler import rejection_sample
 from pagedllm.worker.step_inputs import StepInputs, broadcast_step
 from pagedllm.worker.sampler import SamplingMetadata, compute_logprobs, gather_logprobs, sample
 
@@ -43,23 +44,33 @@ class ModelRunnerOutput:
             (k = the request's ``logprobs``, 0 when it did not ask: then only the logprob).
         prompt_logprobs: request_id -> records for the prompt positions this chunk covered
             that the request had not collected yet (position 0 never has one).
+        num_accepted_tokens: request_id -> how many of the drafts it verified were accepted
+            (requests that verified drafts only); ``sampled_token_ids`` then holds the token
+            drawn after them.
+        draft_logprobs: request_id -> the records of its accepted drafts, in order (the
+            record of the token after them is in ``logprobs``).
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    draft_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
 class _ForwardResult:
     """The forward of one step: ``hidden`` ``[num_tokens, hidden_size]`` of the flat batch,
-    the rows to sample (``sample_rows[i]`` for ``sample_requests[i]``) and the
-    ``(request, first_row, next_prompt_tokens)`` spans whose rows give prompt logprobs."""
+    the rows to sample (``sample_rows[i]`` for ``sample_requests[i]``), the
+    ``(request, first_row, next_prompt_tokens)`` spans whose rows give prompt logprobs, and
+    the ``(request, first_row, drafts)`` of requests verifying drafts (``len(drafts) + 1``
+    rows each)."""
 
     hidden: torch.Tensor
     sample_rows: list[int]
     sample_requests: list[Request]
     prompt_logprob_rows: list[tuple[Request, int, list[int]]]
+    spec_rows: list[tuple[Request, int, list[int]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -106,7 +117,8 @@ class ModelRunner:
     def execute_model(self, scheduled: Sequence[tuple[Request, int]],
                       block_tables: dict[str, list[int]],
                       blocks_to_copy: Sequence[tuple[int, int]] = (),
-                      lora_ids_in_use: frozenset[int] = frozenset()) -> ModelRunnerOutput:
+                      lora_ids_in_use: frozenset[int] = frozenset(),
+                      spec_token_ids: Optional[dict[str, list[int]]] = None) -> ModelRunnerOutput:
         """Compute the scheduled tokens of every request and sample where a chunk ends a sequence.
 
         Args:
@@ -115,18 +127,23 @@ class ModelRunner:
             block_tables: request_id -> physical block ids covering those tokens.
             blocks_to_copy: copy-on-write ``(src, dst)`` block ids, applied before the forward.
             lora_ids_in_use: LoRA adapters of every running request (kept loaded).
+            spec_token_ids: request_id -> the drafts it verifies (``SchedulerOutput.
+                scheduled_spec_decode_tokens``); its ``num_new_tokens`` is ``1 + len(drafts)``.
 
         Returns:
             The tokens sampled for requests whose chunk reaches ``num_tokens`` and for their
             ``pending_forks`` (each draws from the same logits row), with their logprobs, and
-            the prompt logprobs of the chunks computed.
+            the prompt logprobs of the chunks computed. A request with drafts gets the number
+            it accepted (``worker/rejection_sampler.py``) and the token after them.
         """
-        forward = self._forward(scheduled, block_tables, blocks_to_copy, lora_ids_in_use)
+        forward = self._forward(scheduled, block_tables, blocks_to_copy, lora_ids_in_use, spec_token_ids or {})
         output = ModelRunnerOutput()
         for request, first_row, targets in forward.prompt_logprob_rows:
             output.prompt_logprobs[request.request_id] = self._prompt_logprobs(
                 forward.hidden[first_row:first_row + len(targets)], targets,
                 request.sampling_params.prompt_logprobs)
+        if forward.spec_rows:
+            self._verify_drafts(forward, output)
         sample_requests = forward.sample_requests
         if not sample_requests:
             return output
@@ -147,6 +164,34 @@ class ModelRunner:
                     [token_ids[row]] + top_ids[row][:k], [token_logprobs[row]] + top_logprobs[row][:k],
                     [ranks[row]] + list(range(1, k + 1)))
         return output
+
+    def _verify_drafts(self, forward: "_ForwardResult", output: ModelRunnerOutput) -> None:
+        """Rejection-sample the drafts of ``forward.spec_rows`` into ``output`` (tokens, the
+        number accepted, and the raw logprob records of every emitted token)."""
+        rows, requests, drafts = [], [], []
+        for request, first_row, request_drafts in forward.spec_rows:
+            rows.extend(range(first_row, first_row + len(request_drafts) + 1))
+            requests.extend([request] * (len(request_drafts) + 1))
+            drafts.append(request_drafts)
+        logits = self.model.compute_logits(forward.hidden[rows]).float()
+        emitted = rejection_sample(logits, SamplingMetadata.build(requests, logits.shape[-1]), drafts,
+                                   self.generator)
+        logprobs = compute_logprobs(logits)
+        first = 0
+        for (request, _, request_drafts), tokens in zip(forward.spec_rows, emitted):
+            k = request.sampling_params.logprobs
+            values, ranks, top_ids, top_values = gather_logprobs(
+                logprobs[first:first + len(tokens)], torch.tensor(tokens), k or 0)
+            records = [TokenLogprobs([token], [value], []) if k is None else
+                       TokenLogprobs([token] + ids, [value] + tops, [rank] + list(range(1, k + 1)))
+                       for token, value, rank, ids, tops in zip(tokens, values.tolist(), ranks.tolist(),
+                                                                top_ids.tolist(), top_values.tolist())]
+            request_id = request.request_id
+            output.sampled_token_ids[request_id] = tokens[-1]
+            output.num_accepted_tokens[request_id] = len(tokens) - 1
+            output.logprobs[request_id] = records[-1]
+            output.draft_logprobs[request_id] = records[:-1]
+            first += len(request_drafts) + 1
 
     def warm_kv_cache(self, max_bytes: int) -> int:
         """Take the first-write page faults of the KV pool ahead of use, about ``max_bytes`` at a
@@ -201,10 +246,14 @@ class ModelRunner:
 
     def _forward(self, scheduled: Sequence[tuple[Request, int]], block_tables: dict[str, list[int]],
                  blocks_to_copy: Sequence[tuple[int, int]],
-                 lora_ids_in_use: frozenset[int] = frozenset()) -> "_ForwardResult":
-        # Single-token sequences first: they share one batched decode-attention call.
-        decodes = [(r, n) for r, n in scheduled if n == 1]
-        prefills = [(r, n) for r, n in scheduled if n > 1]
+                 lora_ids_in_use: frozenset[int], spec_token_ids: dict[str, list[int]]) -> "_ForwardResult":
+        # Decode rows first: they share one batched decode-attention call (and, in a step
+        # without prefill chunks, the fused C++ layers). A request verifying drafts is decode
+        # rows too, one per token, row j seeing the context up to its own position: the KV of
+        # every row is written before any row attends, so each row is computed exactly as
+        # one-token decoding would compute it (greedy output stays the same token for token).
+        decodes = [(r, n) for r, n in scheduled if n == 1 or r.request_id in spec_token_ids]
+        prefills = [(r, n) for r, n in scheduled if n > 1 and r.request_id not in spec_token_ids]
         lora_mapping = None
         if any(r.lora_request is not None for r, _ in scheduled):
             # Rows of one adapter side by side (the sort is stable): most groups are one range,
@@ -221,18 +270,29 @@ class ModelRunner:
         sample_requests: list[Request] = []
         prompt_logprob_rows: list[tuple[Request, int, list[int]]] = []
         prefill_seqs: list[PrefillSequence] = []
+        spec_rows: list[tuple[Request, int, list[int]]] = []
+        decode_rows: list[tuple[str, int]] = []  # (request_id, context length) per decode row
         block_size = self.block_size
         for request, num_new in ordered:
             start = request.num_computed_tokens
             end = start + num_new
             table = block_tables[request.request_id]
             row = len(input_ids)
-            input_ids.extend(request.all_token_ids[start:end])
+            drafts = spec_token_ids.get(request.request_id)
             if lora_mapping is not None and request.lora_request is not None:
                 lora_mapping.add_rows(request.lora_request, row, row + num_new)
             positions.extend(range(start, end))
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-            if num_new > 1:
+            if drafts:
+                input_ids.append(request.all_token_ids[start])
+                input_ids.extend(drafts)
+                spec_rows.append((request, row, drafts))
+                decode_rows.extend((request.request_id, p + 1) for p in range(start, end))
+                continue
+            input_ids.extend(request.all_token_ids[start:end])
+            if num_new == 1:
+                decode_rows.append((request.request_id, end))
+            else:
                 prefill_seqs.append(PrefillSequence(row, row + num_new, end,
                                                     torch.tensor(table[:-(-end // block_size)])))
             # A max_tokens=0 request runs only for its prompt logprobs (echo).
@@ -250,11 +310,11 @@ class ModelRunner:
                                                 request.prompt_token_ids[first:last + 1]))
 
         metadata = AttentionMetadata(slot_mapping=torch.tensor(slots), prefills=prefill_seqs,
-                                     num_decode_tokens=len(decodes))
-        if decodes:
-            context_lens = [r.num_computed_tokens + 1 for r, _ in decodes]
+                                     num_decode_tokens=len(decode_rows))
+        if decode_rows:
+            context_lens = [context_len for _, context_len in decode_rows]
             max_blocks = -(-max(context_lens) // block_size)
-            tables = [block_tables[r.request_id][:max_blocks] for r, _ in decodes]
+            tables = [block_tables[request_id][:max_blocks] for request_id, _ in decode_rows]
             metadata.decode_block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
             metadata.decode_context_lens = torch.tensor(context_lens)
 
@@ -262,7 +322,7 @@ class ModelRunner:
         if self.broadcast_steps:
             broadcast_step(step)
         hidden = self.execute_step(step)
-        return _ForwardResult(hidden, sample_rows, sample_requests, prompt_logprob_rows)
+        return _ForwardResult(hidden, sample_rows, sample_requests, prompt_logprob_rows, spec_rows)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, next_token_ids: list[int],
                          num_top: int) -> list[TokenLogprobs]:

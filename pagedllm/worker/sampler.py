@@ -355,6 +355,36 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     return processed
 
 
+def sampling_probs(processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row draws from (step 5 of the module docstring): temperature,
+    min-p, top-k/top-p, softmax.
+
+    Args:
+        processed: ``[rows, vocab]`` fp32 logits after ``process_logits``.
+        meta: the rows' parameters (``temperature`` is 1.0 on greedy rows).
+
+    Returns:
+        ``[rows, vocab]`` fp32 probabilities, 0 outside each row's kept set.
+    """
+    scaled = processed / meta.temperature.unsqueeze(1)
+    if meta.min_p is not None:
+        scaled = apply_min_p(scaled, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
+    return scaled.softmax(dim=-1)
+
+
+def inverse_cdf_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` ``[rows, vocab]`` (need not sum to 1) for ``uniform``
+    ``[rows]`` in [0, 1): the first token whose cumulative mass exceeds ``uniform x total``.
+    Returns ``[rows]`` int64."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1]
+    # Strictly below the total mass, so that the draw never runs past the last token kept.
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+
+
 def sample(logits: torch.Tensor, meta: SamplingMetadata,
            generator: Optional[torch.Generator] = None) -> SamplerOutput:
     """Pick one token per row and report its raw logprob (and top-k when asked).
@@ -379,19 +409,10 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
     else:
         token_ids = processed.argmax(dim=-1)
     if not meta.all_greedy:
-        scaled = processed / meta.temperature.unsqueeze(1)
-        if meta.min_p is not None:
-            scaled = apply_min_p(scaled, meta.min_p)
-        if meta.top_k is not None or meta.top_p is not None:
-            scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
-        cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
-        uniform = torch.rand(cdf.shape[0], generator=generator)
+        uniform = torch.rand(processed.shape[0], generator=generator)
         for row, row_generator in (meta.generators or {}).items():
             uniform[row] = torch.rand((), generator=row_generator)
-        total = cdf[:, -1]
-        # Strictly below the total mass, so that the draw never runs past the last token kept.
-        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-        sampled = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+        sampled = inverse_cdf_draw(sampling_probs(processed, meta), uniform)
         token_ids = torch.where(meta.greedy, token_ids, sampled)
     if meta.max_num_logprobs is None:
         # One pass over the vocabulary instead of a full log-softmax: only cumulative_logprob
