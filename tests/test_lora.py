@@ -359,3 +359,17 @@ def test_stats_name_running_and_waiting_adapters(tiny_adapters):
     assert stats.num_running_reqs == 4
     run_to_completion(engine)
     assert engine.make_stats().running_lora_adapters == ()
+
+
+def test_adapter_requests_with_speculative_decoding_equal_peft(tiny_adapters):
+    """Drafts verified as several decode rows of one adapter: each adapter's greedy output is still
+    transformers + PEFT's, and drafts were verified (so the combination ran)."""
+    requests, prompts, references = tiny_adapters
+    engine = tiny_lora_engine(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                                                  "disable_by_batch_size": 64})
+    jobs = [(prompt, lora) for lora in [*requests, None] for prompt in prompts]
+    assert generate(engine, jobs) == [tokens for per_adapter in references for tokens in per_adapter]
+    assert engine.scheduler.spec_decode_num_draft_tokens > 0
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+    engine.kv_cache_manager.block_pool.check_invariants()
