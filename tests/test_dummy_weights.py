@@ -165,3 +165,20 @@ def test_dummy_names_and_shapes_equal_a_transformers_checkpoint(tmp_path, model_
     output, = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True),
                            use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 3
+
+
+def test_dummy_weights_tp2_equals_tp1():
+    """``load_format="dummy"``: each rank draws every weight from its name, so the shards are of
+    one model (the tiny config's single KV head is replicated on both ranks). Here, not in
+    test_tensor_parallel.py, whose module-wide TP engine would refuse a second one."""
+    config = str(CONFIGS / "tiny-llama.json")
+    kwargs = dict(model=config, load_format="dummy", dtype="float32", num_gpu_blocks_override=32,
+                  max_model_len=64, block_size=16)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts_ = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": list(range(40))}]
+    expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts_, params, use_tqdm=False)]
+    llm = LLM(tensor_parallel_size=2, tp_cores="0;1", **kwargs)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts_, params, use_tqdm=False)] == expected
+    finally:
+        llm.llm_engine.shutdown()

@@ -299,21 +299,3 @@ def test_tp_cores_and_default_core_groups():
 def test_smollm2_tp2_is_refused_naming_the_heads():
     with pytest.raises(ValueError, match="does not divide the model's 9 attention heads \\(3 KV heads\\)"):
         LLMEngine(EngineArgs.from_kwargs(tensor_parallel_size=2))
-
-
-def test_dummy_weights_tp2_equals_tp1():
-    """``load_format="dummy"``: each rank draws every weight from its name, so the shards are of
-    one model (the tiny config's single KV head is replicated on both ranks)."""
-    from pagedllm import LLM
-
-    config = os.path.join(REPO_ROOT, "bench", "configs", "tiny-llama.json")
-    kwargs = dict(model=config, load_format="dummy", dtype="float32", num_gpu_blocks_override=32,
-                  max_model_len=64, block_size=16)
-    params = SamplingParams(max_tokens=6, **GREEDY)
-    prompts_ = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": list(range(40))}]
-    expected = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(prompts_, params, use_tqdm=False)]
-    llm = LLM(tensor_parallel_size=2, tp_cores="0;1", **kwargs)
-    try:
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts_, params, use_tqdm=False)] == expected
-    finally:
-        llm.llm_engine.shutdown()

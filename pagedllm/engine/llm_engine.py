@@ -107,11 +107,12 @@ class LLMEngine:
                 path = resolve_model_path(engine_args.model)
                 config, state_dict = load_checkpoint(path)
                 quantization, prequantized = load_prequantized(path, engine_args.quantization)
-                tokenizer = load_tokenizer(path)
             if tp_size > 1 and quantization in CHECKPOINT_QUANTIZATION_METHODS:
                 # models/sharding.py slices GGUF int4 codes; act-order and zero-point layouts not yet.
                 raise ValueError(f"tensor_parallel_size={tp_size} is not supported for {quantization!r} "
                                  "checkpoints yet; use tensor_parallel_size=1")
+            if checkpoint is None and engine_args.load_format != "dummy":
+                tokenizer = load_tokenizer(path)
             shard = TensorParallelShard(0, tp_size)
             shard.check(config, quantization)  # before any process starts
             if tp_size > 1:
