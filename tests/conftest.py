@@ -67,6 +67,23 @@ def tiny_state_dict(config: LlamaConfig, seed: int = 0) -> dict[str, torch.Tenso
     return sd
 
 
+
+def hf_tiny_model(seed: int = 0, ours=None):
+    """HF's Llama with the weights of ``build_model(ours, tiny_state_dict(ours, seed))``."""
+    import transformers
+
+    ours = ours or tiny_config()
+    config = transformers.LlamaConfig(
+        vocab_size=ours.vocab_size, hidden_size=ours.hidden_size, intermediate_size=ours.intermediate_size,
+        num_hidden_layers=ours.num_hidden_layers, num_attention_heads=ours.num_attention_heads,
+        num_key_value_heads=ours.num_key_value_heads, head_dim=ours.head_dim, rms_norm_eps=ours.rms_norm_eps,
+        rope_theta=ours.rope_theta, max_position_embeddings=ours.max_position_embeddings,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.load_state_dict(tiny_state_dict(ours, seed))
+    return model
+
+
 @functools.lru_cache(maxsize=4)
 def _tiny_model(dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
     from pagedllm.models.loader import build_model

@@ -10,7 +10,7 @@ import torch
 from pagedllm import BeamSearchParams, SamplingParams
 from pagedllm.beam_search import beam_search
 from pagedllm.core.request import RequestStatus
-from tests.conftest import TINY_VOCAB, make_tiny_engine, run_to_completion, tiny_config, tiny_state_dict
+from tests.conftest import TINY_VOCAB, hf_tiny_model, make_tiny_engine, run_to_completion
 
 BLOCK = 4  # make_tiny_engine's block size
 
@@ -181,17 +181,8 @@ def assert_same_beams(ours, theirs) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_hf_model():
-    transformers = pytest.importorskip("transformers")
-    ours = tiny_config()
-    config = transformers.LlamaConfig(
-        vocab_size=ours.vocab_size, hidden_size=ours.hidden_size, intermediate_size=ours.intermediate_size,
-        num_hidden_layers=ours.num_hidden_layers, num_attention_heads=ours.num_attention_heads,
-        num_key_value_heads=ours.num_key_value_heads, head_dim=ours.head_dim, rms_norm_eps=ours.rms_norm_eps,
-        rope_theta=ours.rope_theta, max_position_embeddings=ours.max_position_embeddings,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.load_state_dict(tiny_state_dict(ours, seed=0))  # make_tiny_engine's weights
-    return model
+    pytest.importorskip("transformers")
+    return hf_tiny_model(seed=0)  # make_tiny_engine's weights
 
 
 @pytest.mark.parametrize("beam_width,length_penalty,with_eos", [(3, 1.0, False), (4, 0.6, True), (2, 2.0, True)])

@@ -16,7 +16,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.lora.layers import LoRAContext, LoRALinear, PackedLoRA, ExpandSlice, add_lora
 from pagedllm.models.loader import build_model
-from tests.conftest import run_to_completion, tiny_config, tiny_state_dict
+from tests.conftest import hf_tiny_model, run_to_completion, tiny_config, tiny_state_dict
 from tests.lora_adapters import adapters_and_references, make_adapter
 
 peft = pytest.importorskip("peft", reason="peft (the test extra) makes the adapters and the reference")
@@ -31,22 +31,6 @@ SPECS = [dict(rank=8, seed=1, target_modules=ALL_TARGETS),
               rank_pattern={"v_proj": 4}),
          dict(rank=8, seed=3, target_modules=["gate_proj", "up_proj", "down_proj", "k_proj"], use_rslora=True,
               layers_to_transform=[1])]
-
-
-def hf_tiny_model(seed: int = 0, ours=None):
-    """HF's Llama with the weights of ``build_model(ours, tiny_state_dict(ours, seed))``."""
-    import transformers
-
-    ours = ours or tiny_config()
-    config = transformers.LlamaConfig(
-        vocab_size=ours.vocab_size, hidden_size=ours.hidden_size, intermediate_size=ours.intermediate_size,
-        num_hidden_layers=ours.num_hidden_layers, num_attention_heads=ours.num_attention_heads,
-        num_key_value_heads=ours.num_key_value_heads, head_dim=ours.head_dim, rms_norm_eps=ours.rms_norm_eps,
-        rope_theta=ours.rope_theta, max_position_embeddings=ours.max_position_embeddings,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.load_state_dict(tiny_state_dict(ours, seed))
-    return model
 
 
 def tiny_lora_engine(dtype: torch.dtype = torch.float32, quantization=None, **kwargs) -> LLMEngine:
