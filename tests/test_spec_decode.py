@@ -130,6 +130,18 @@ def repetitive_prompts(count: int) -> list[list[int]]:
     return prompts
 
 
+def step_checking_rollback(engine) -> dict:
+    """Step to the end, checking ``check_rollback_invariants`` after every step; the final
+    ``RequestOutput`` by request id."""
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        check_rollback_invariants(engine)
+    return finals
+
+
 def check_rollback_invariants(engine: LLMEngine) -> None:
     """No block holds only rejected slots; every cached block's key is over accepted tokens."""
     manager = engine.kv_cache_manager
@@ -149,12 +161,7 @@ def check_rollback_invariants(engine: LLMEngine) -> None:
 def run_checked(engine: LLMEngine, prompts: list, params: list[SamplingParams]) -> dict:
     for i, (prompt, param) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", prompt, param)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-        check_rollback_invariants(engine)
+    finals = step_checking_rollback(engine)
     manager = engine.kv_cache_manager
     assert manager.block_pool.num_used_blocks == 0 and not manager.req_to_blocks
     return finals
@@ -225,12 +232,7 @@ def run_checked_with_eos(engine: LLMEngine, prompts: list, params: list, eos: in
         engine.add_request(f"r{i}", prompt, param)
         for child in engine.parents[f"r{i}"].children:
             child.eos_token_id = eos
-    finals = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-        check_rollback_invariants(engine)
+    finals = step_checking_rollback(engine)
     assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
     return finals
 
