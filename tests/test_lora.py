@@ -66,7 +66,7 @@ def generate(engine: LLMEngine, jobs: list[tuple[list[int], LoRARequest | None]]
 def record_steps(engine: LLMEngine) -> list[tuple]:
     """Record ``(lora_mapping, num_rows)`` of every step with adapter rows, and check after each
     that every adapter a running request uses is still active (never evicted while in use)."""
-    runner, manager, seen = engine.model_runner, engine.lora_manager, []
+    runner, manager, seen = engine.model_runner, engine.model_runner.lora_manager, []
     execute_step = runner.execute_step
 
     def recording(step):
@@ -228,7 +228,7 @@ def test_lru_of_adapters_and_max_loras(tiny_adapters):
     reads the adapter from disk again; outputs stay equal to HF + PEFT."""
     requests, prompts, references = tiny_adapters
     engine = tiny_lora_engine(max_loras=1, max_cpu_loras=1)
-    manager = engine.lora_manager
+    manager = engine.model_runner.lora_manager
     steps = record_steps(engine)
     jobs = [(prompts[2], requests[0]), (prompts[1], requests[1]), (prompts[0], None)]
     assert generate(engine, jobs) == [references[0][2], references[1][1], references[-1][0]]

@@ -136,7 +136,7 @@ def test_killing_a_rank_ends_the_engine_with_an_error_within_seconds():
     engine.step()
     watchdog_fired = threading.Event()
     engine.on_worker_failure(watchdog_fired.set)  # an idle owner hears of it without stepping
-    (worker,) = engine._tp_workers.processes
+    (worker,) = engine.executor._workers.processes
     os.kill(worker.pid, signal.SIGKILL)
     start = time.monotonic()
     assert watchdog_fired.wait(5)
@@ -159,7 +159,7 @@ def test_an_interrupted_step_ends_the_workers_at_once():
     engine = tp2_engine()
     engine.add_request("r", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=80, **GREEDY))
     engine.step()
-    (worker,) = engine._tp_workers.processes
+    (worker,) = engine.executor._workers.processes
     model = engine.model_runner.model
     first_layer = model.layers[0]
 
@@ -243,8 +243,8 @@ def test_kv_pool_per_rank_is_half_the_bytes_and_ranks_are_pinned(tp2):
     assert tp2.model_runner.kv_caches[0][0].shape == (24, 4, 1, 16)  # 1 of the 2 KV heads
     assert tp2.bytes_per_block == reference.bytes_per_block  # a block costs the same over all ranks
     assert parallel_state._state.shm is not None  # the shared-memory all-reduce is the default here
-    assert not os.path.exists(tp2._tp_workers.shm_path)  # unlinked once every rank mapped it
-    (worker,) = tp2._tp_workers.processes
+    assert not os.path.exists(tp2.executor._workers.shm_path)  # unlinked once every rank mapped it
+    (worker,) = tp2.executor._workers.processes
     assert os.sched_getaffinity(0) == {0} and os.sched_getaffinity(worker.pid) == {1}
     assert torch.get_num_threads() == 1
 

@@ -20,16 +20,8 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
-from pagedllm.layers.quantization import CHECKPOINT_QUANTIZATION_METHODS, weight_bytes
-from pagedllm.layers.smooth_quant import calibration_token_ids
-from pagedllm.lora.manager import LoRAModelManager
 from pagedllm.lora.request import LoRARequest
-from pagedllm.models.loader import (build_model, load_checkpoint, load_prequantized, load_tokenizer,
-                                    resolve_model_path)
-from pagedllm.distributed.parallel_state import TensorParallelError
-from pagedllm.models.dummy import dummy_config_file, load_dummy_checkpoint, load_dummy_tokenizer
-from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
-from pagedllm.models.sharding import TensorParallelShard
+from pagedllm.executor import make_executor
 from pagedllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.kv_snapshot import KVCacheSnapshot, make_kv_snapshot
@@ -38,9 +30,6 @@ from pagedllm.outputs import RequestOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode import Proposer, make_proposer
 from pagedllm.structured_output import GrammarCompiler
-from pagedllm.worker.kv_cache_sizing import bytes_per_block, determine_num_blocks
-from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.tp_worker import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -80,75 +69,30 @@ class LLMEngine:
             the engine then computes nothing more).
     """
 
-    def __init__(self, engine_args: EngineArgs, model: Optional[LlamaForCausalLM] = None,
-                 tokenizer: Any = None, checkpoint: Optional[tuple[LlamaConfig, dict]] = None) -> None:
+    def __init__(self, engine_args: EngineArgs, model: Any = None, tokenizer: Any = None,
+                 checkpoint: Optional[tuple[Any, dict]] = None) -> None:
         engine_args.verify()
         self.args = engine_args
         self._built_on_thread = threading.get_ident()  # step() warns once if stepped elsewhere
         torch.manual_seed(engine_args.seed)
-        tp_size = engine_args.tensor_parallel_size
-        self._tp_workers: Optional[TensorParallelWorkers] = None
-        self._tp_error: Optional[TensorParallelError] = None
-        if model is not None and tp_size > 1:
-            raise ValueError(f"tensor_parallel_size={tp_size} builds every rank's shard itself: give "
-                             "engine_args.model or checkpoint=(config, state_dict), not a built model")
-        if model is None:
-            start = time.perf_counter()
-            prequantized = None
-            quantization = engine_args.quantization
-            if checkpoint is not None:
-                config, state_dict = checkpoint
-            elif engine_args.load_format == "dummy":
-                path = dummy_config_file(engine_args.model)
-                config, state_dict = load_dummy_checkpoint(engine_args.model, engine_args.torch_dtype,
-                                                           engine_args.seed)
-                tokenizer = load_dummy_tokenizer(engine_args.model)
-            else:
-                path = resolve_model_path(engine_args.model)
-                config, state_dict = load_checkpoint(path)
-                quantization, prequantized = load_prequantized(path, engine_args.quantization)
-            if tp_size > 1 and quantization in CHECKPOINT_QUANTIZATION_METHODS:
-                # models/sharding.py slices GGUF int4 codes; act-order and zero-point layouts not yet.
-                raise ValueError(f"tensor_parallel_size={tp_size} is not supported for {quantization!r} "
-                                 "checkpoints yet; use tensor_parallel_size=1")
-            if checkpoint is None and engine_args.load_format != "dummy":
-                tokenizer = load_tokenizer(path)
-            shard = TensorParallelShard(0, tp_size)
-            shard.check(config, quantization)  # before any process starts
-            if tp_size > 1:
-                self._tp_workers = TensorParallelWorkers(engine_args, checkpoint)
-            try:
-                calibration = None
-                if quantization == "w8a8":
-                    calibration = calibration_token_ids(tokenizer, config.vocab_size)
-                model = build_model(config, state_dict, engine_args.torch_dtype, quantization,
-                                    prequantized, shard, calibration)
-            except BaseException:
-                self.shutdown()
-                raise
-            del state_dict, prequantized
-            logger.info("loaded %s in %.1f s", path if checkpoint is None else "the checkpoint",
-                        time.perf_counter() - start)
+        self.executor = make_executor(engine_args, model, tokenizer, checkpoint)
         try:
-            self._init_after_model(engine_args, model, tokenizer)
+            self._init_after_model(engine_args)
         except BaseException:
             self.shutdown()
             raise
 
-    def _init_after_model(self, engine_args: EngineArgs, model: LlamaForCausalLM, tokenizer: Any) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.model_config = model.config
+    def _init_after_model(self, engine_args: EngineArgs) -> None:
+        executor = self.executor
+        self.tokenizer = executor.tokenizer
+        self.model_config = executor.model_config
         self.eos_token_id = self.model_config.eos_token_id
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            self.eos_token_id = tokenizer.eos_token_id
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_id = self.tokenizer.eos_token_id
 
         block_size = engine_args.block_size
-        self.kv_cache_dtype = engine_args.kv_cache_torch_dtype(model.dtype)
-        other_ranks_memory = self._tp_workers.wait_loaded() if self._tp_workers else 0
-        num_blocks = determine_num_blocks(model, engine_args, self.kv_cache_dtype, other_ranks_memory)
-        if self._tp_workers:
-            self._tp_workers.allocate_kv_caches(num_blocks)
+        self.kv_cache_dtype = executor.driver_worker.kv_cache_dtype
+        num_blocks = executor.determine_num_blocks()
         capacity = num_blocks * block_size
         model_len = self.model_config.max_position_embeddings
         if engine_args.max_model_len is None:
@@ -166,8 +110,6 @@ class LLMEngine:
                     f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}), fewer "
                     f"than one request of max_model_len={self.max_model_len}: lower max_model_len or "
                     "raise kv_cache_memory_bytes / memory_utilization")
-        if hasattr(model, "set_max_model_len"):  # Phi-3's longrope factors depend on it
-            model.set_max_model_len(self.max_model_len)
         self.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size,
                                                enable_caching=engine_args.enable_prefix_caching)
@@ -179,42 +121,29 @@ class LLMEngine:
                                    max_loras=engine_args.max_loras if engine_args.enable_lora else None,
                                    num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
                                    disable_spec_by_batch_size=speculative.disable_by_batch_size if speculative else None)
-        self.lora_manager: Optional[LoRAModelManager] = None
-        if engine_args.enable_lora:
-            self.lora_manager = LoRAModelManager(model, engine_args.max_loras, engine_args.max_lora_rank,
-                                                 engine_args.max_cpu_loras or engine_args.max_loras)
-        self.model_runner = ModelRunner(model, num_blocks, block_size, engine_args.seed, self.kv_cache_dtype,
-                                        broadcast_steps=self._tp_workers is not None,
-                                        lora_manager=self.lora_manager)
-        if engine_args.warm_kv_cache:
-            start, warmed = time.perf_counter(), 0
-            while (chunk := self.warm_kv_cache(64 << 20)) > 0:
-                warmed += chunk
-            logger.info("KV cache: %.0f MiB faulted in (warm_kv_cache) in %.1f s", warmed / 2**20,
-                        time.perf_counter() - start)
+        executor.initialize_cache(num_blocks, self.max_model_len)
         # All ranks together: each holds its KV heads' share of every block.
-        self.bytes_per_block = bytes_per_block(model, block_size, self.kv_cache_dtype) * engine_args.tensor_parallel_size
+        self.bytes_per_block = executor.bytes_per_block()
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%d tensor-parallel ranks); "
                     "%d requests of max_model_len=%d fit at once", num_blocks, block_size, capacity,
                     num_blocks * self.bytes_per_block / 2**20, str(self.kv_cache_dtype).replace("torch.", ""),
                     engine_args.tensor_parallel_size, capacity // self.max_model_len, self.max_model_len)
-        self.weight_bytes = weight_bytes(model)
-        unquantized = model.unquantized_weight_bytes or self.weight_bytes
-        if getattr(model, "quantization", None):
+        self.weight_bytes, unquantized = executor.driver_worker.weight_bytes()
+        if unquantized != self.weight_bytes:
             logger.info("weights: %.1f MiB (%s; %.1f MiB unquantized): the %.1f MiB saved are room for %d KV "
-                        "blocks (%s)", self.weight_bytes / 2**20, model.quantization, unquantized / 2**20,
+                        "blocks (%s)", self.weight_bytes / 2**20, executor.driver_worker.quantization, unquantized / 2**20,
                         (unquantized - self.weight_bytes) / 2**20,
                         (unquantized - self.weight_bytes) // self.bytes_per_block,
                         "in the pool above" if engine_args.kv_cache_memory_bytes is None and
                         engine_args.num_gpu_blocks_override is None else "not used: the pool's size is set")
         else:
             logger.info("weights: %.1f MiB (not quantized)%s", self.weight_bytes / 2**20,
-                        " in rank 0's shard" if self._tp_workers else "")
-        self.grammar_compiler = (GrammarCompiler(tokenizer, self.model_config.vocab_size)
-                                 if tokenizer is not None else None)
+                        " in rank 0's shard" if engine_args.tensor_parallel_size > 1 else "")
+        self.grammar_compiler = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+                                 if self.tokenizer is not None else None)
         self.input_processor = InputProcessor(self.get_model_info())
         self.parents: dict[str, ParentRequest] = {}
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._child_to_parent: dict[str, str] = {}
         self._pending_outputs: list[RequestOutput] = []
         # Sequences (by request id) scheduled at least once, so that a queue time is counted
@@ -227,32 +156,33 @@ class LLMEngine:
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
         return cls(engine_args)
 
+    @property
+    def model(self) -> Any:
+        """Rank 0's model (for inspection; the engine itself never touches it)."""
+        return self.executor.driver_worker.model
+
+    @property
+    def model_runner(self) -> Any:
+        """Rank 0's ``ModelRunner`` (for inspection: its KV cache tensors)."""
+        return self.executor.driver_worker.model_runner
+
     def check_health(self) -> None:
         """Raises ``TensorParallelError`` when a tensor-parallel rank is gone (vLLM's
         ``check_health``); a no-op for a single-process engine."""
-        if self._tp_error is not None:
-            raise self._tp_error
-        if self._tp_workers is not None:
-            try:
-                self._tp_workers.check_alive()
-            except TensorParallelError as exc:
-                self._tp_error = exc
-                raise
+        self.executor.check_health()
 
     def on_worker_failure(self, callback) -> None:
         """Have ``callback()`` called from a watchdog thread as soon as a tensor-parallel worker
         exits unexpectedly, so that an idle owner learns of it before its next ``step()``. The
         callback runs outside the engine's thread: it must only hand the news over (for
         instance queue a call of ``check_health``). A no-op without workers."""
-        if self._tp_workers is not None:
-            self._tp_workers.on_failure(callback)
+        self.executor.on_failure(callback)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op without them). Idempotent; the engine
         computes no step after it."""
-        if self._tp_workers is not None:
-            self._tp_workers.shutdown()
-            self._tp_error = self._tp_error or TensorParallelError("the engine was shut down")
+        if hasattr(self, "executor"):
+            self.executor.shutdown()
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -416,20 +346,20 @@ class LLMEngine:
                 a missing file, DoRA, ``modules_to_save``, a rank above ``max_lora_rank``, a
                 shape the base model does not have, ...).
         """
-        if self.lora_manager is None:
+        if not self.args.enable_lora:
             raise ValueError("LoRA adapters need enable_lora=True (--enable-lora)")
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        return self.lora_manager.add_adapter(lora_request)
+        return self.executor.add_lora(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget a loaded adapter (vLLM ``remove_lora``); requests still running with it read
         it again. Returns whether it was loaded."""
-        return self.lora_manager is not None and self.lora_manager.remove_adapter(lora_int_id)
+        return self.args.enable_lora and self.executor.remove_lora(lora_int_id)
 
     def list_loras(self) -> set[int]:
         """Ids of the adapters held in memory (vLLM ``list_loras``)."""
-        return set(self.lora_manager.list_adapters()) if self.lora_manager is not None else set()
+        return self.executor.list_loras() if self.args.enable_lora else set()
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache. Never refuses: blocks of running requests keep their KV
@@ -482,29 +412,16 @@ class LLMEngine:
             for fork in request.pending_forks:
                 requests[fork.request_id] = fork
         try:
-            self.check_health()
-            runner_output = self.model_runner.execute_model(scheduler_output.scheduled, block_tables,
-                                                            scheduler_output.blocks_to_copy,
-                                                            scheduler_output.lora_ids_in_use,
-                                                            scheduler_output.scheduled_spec_decode_tokens)
-        except TensorParallelError as exc:
-            # Fatal: the ranks are out of step and cannot be brought back.
-            self._tp_error = self._tp_workers.failure(exc) if self._tp_workers and exc is not self._tp_error else exc
-            raise self._tp_error from exc
-        except BaseException as exc:
-            if self._tp_workers is None and isinstance(exc, Exception):
-                # One failed forward must not take the others down.
-                logger.exception("the model forward failed: ending the %d sequences of this step", len(requests))
-                return outputs + self._fail_requests(requests.values(), exc)
-            if self._tp_workers is not None:
-                # Rank 0 left its peers inside a collective they cannot leave (they would spin
-                # until the timeout): end them now; the engine cannot compute any more.
-                self._tp_error = TensorParallelError(
-                    f"a step was interrupted on rank 0 ({type(exc).__name__}): the ranks are out of step")
-                self._tp_workers.abandon()
-                if isinstance(exc, Exception):
-                    raise self._tp_error from exc
-            raise
+            runner_output = self.executor.execute_model(scheduler_output.scheduled, block_tables,
+                                                        scheduler_output.blocks_to_copy,
+                                                        scheduler_output.lora_ids_in_use,
+                                                        scheduler_output.scheduled_spec_decode_tokens)
+        except Exception as exc:
+            if self.executor.step_failures_are_fatal:
+                raise
+            # One failed forward must not take the others down.
+            logger.exception("the model forward failed: ending the %d sequences of this step", len(requests))
+            return outputs + self._fail_requests(requests.values(), exc)
         for request_id, records in runner_output.prompt_logprobs.items():
             requests[request_id].prompt_logprobs.extend(records)
         sampled = runner_output.sampled_token_ids
@@ -618,7 +535,7 @@ class LLMEngine:
         Returns:
             Bytes made resident; 0 once the whole pool is (or the OS cannot).
         """
-        return self.model_runner.warm_kv_cache(max_bytes)
+        return self.executor.warm_kv_cache(max_bytes)
 
     def make_kv_snapshot(self) -> KVCacheSnapshot:
         """A picture of the block pool: every block's state and owner, every queued

@@ -38,8 +38,6 @@ from pagedllm.config import EngineArgs, parse_cpu_list, parse_tp_cores
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import TensorParallelError, data_timeout_s
 from pagedllm.distributed.shm_all_reduce import create_shm_file
-from pagedllm.models.sharding import TensorParallelShard
-from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.step_inputs import broadcast_shutdown, receive_step
 
 logger = logging.getLogger(__name__)
@@ -298,8 +296,7 @@ def _worker_main(rank: int, port: int, args: EngineArgs, checkpoint: Optional[tu
     """A worker's life: say it started (``started``, a pipe's sending end), pin, join, build the
     shard, allocate the KV cache, then compute every step rank 0 broadcasts until it says shut
     down. Exits with an error when rank 0 is gone."""
-    from pagedllm.models.dummy import load_dummy_checkpoint
-    from pagedllm.models.loader import build_model, load_checkpoint, load_prequantized_int4, resolve_model_path
+    from pagedllm.worker.worker import Worker  # spawn imports this module first: keep the child light until it started
 
     started.send(True)
     started.close()
@@ -309,29 +306,14 @@ def _worker_main(rank: int, port: int, args: EngineArgs, checkpoint: Optional[tu
     parallel_state.init_distributed_environment(rank, args.tensor_parallel_size, port, shm_path,
                                                 lambda: os.getppid() == parent_pid)
     try:
-        prequantized = None
-        if checkpoint is None and args.load_format == "dummy":
-            config, state_dict = load_dummy_checkpoint(args.model, args.torch_dtype, args.seed)
-        elif checkpoint is None:
-            path = resolve_model_path(args.model)
-            config, state_dict = load_checkpoint(path)
-            if args.quantization in ("int4", "w4a8"):
-                prequantized = load_prequantized_int4(path)
-        else:
-            config, state_dict = checkpoint
-        model = build_model(config, state_dict, args.torch_dtype, args.quantization, prequantized,
-                            TensorParallelShard(rank, args.tensor_parallel_size))
-        del state_dict, prequantized, checkpoint
-        model.lm_head = None  # only rank 0 computes logits (a tied head's table stays: the embedding)
+        worker = Worker(args, rank, checkpoint)
+        del checkpoint
+        worker.load_model()
         dist.barrier(group=parallel_state.control_group())
-        num_blocks = _broadcast_int(0)
-        runner = ModelRunner(model, num_blocks, args.block_size, args.seed,
-                             args.kv_cache_torch_dtype(model.dtype))
-        while args.warm_kv_cache and runner.warm_kv_cache(64 << 20) > 0:
-            pass  # this rank's share of the pool, as rank 0 does in LLMEngine
+        worker.initialize_cache(_broadcast_int(0))
         dist.barrier(group=parallel_state.control_group())
         with torch.inference_mode():
             while (step := receive_step()) is not None:
-                runner.execute_step(step)
+                worker.model_runner.execute_step(step)
     finally:
         parallel_state.destroy_distributed_environment()
