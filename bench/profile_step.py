@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.request import Request
+from pagedllm.core.scheduled_batch import SamplingInput, ScheduledBatch, ScheduledRequest
 
 CATEGORIES = [
     # decode_layers calls its ops directly (not through the dispatcher): only the linear layers
@@ -47,38 +47,38 @@ def categorize(name: str) -> str:
     return "elementwise (norm, rope, silu, residual, casts)"
 
 
-def make_batch(llm: LLM, num_seqs: int, num_cached: int, num_new: int):
-    """``(scheduled, block_tables)`` for sequences with ``num_cached`` tokens already cached."""
+def make_batch(llm: LLM, num_seqs: int, num_cached: int, num_new: int) -> ScheduledBatch:
+    """One step of ``num_seqs`` sequences with ``num_cached`` tokens already cached, each
+    computing ``num_new`` and sampling one."""
     engine = llm.llm_engine
     block_size = engine.args.block_size
     blocks_per_seq = -(-(num_cached + num_new) // block_size)
-    scheduled, tables = [], {}
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    for i in range(num_seqs):
-        request = Request(f"p{i}", [(7 * i + j) % 1000 + 1 for j in range(num_cached + num_new)], params,
-                          max_tokens=1, eos_token_id=None)
-        request.num_computed_tokens = num_cached
-        scheduled.append((request, num_new))
-        tables[request.request_id] = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
     if num_seqs * blocks_per_seq > engine.num_blocks:
         raise ValueError(f"the batch needs {num_seqs * blocks_per_seq} blocks, the cache has {engine.num_blocks}")
-    return scheduled, tables
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    requests = []
+    for i in range(num_seqs):
+        token_ids = [(7 * i + j) % 1000 + 1 for j in range(num_cached + num_new)]
+        requests.append(ScheduledRequest(f"p{i}", token_ids[num_cached:], num_cached,
+                                         list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+                                         (SamplingInput(f"p{i}", params),)))
+    return ScheduledBatch(requests)
 
 
-def time_step(runner, scheduled, tables, repeats: int) -> float:
-    runner.execute_model(scheduled, tables)
+def time_step(runner, batch: ScheduledBatch, repeats: int) -> float:
+    runner.execute_model(batch)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        runner.execute_model(scheduled, tables)
+        runner.execute_model(batch)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def profile_step(runner, scheduled, tables) -> tuple[float, dict[str, float]]:
+def profile_step(runner, batch: ScheduledBatch) -> tuple[float, dict[str, float]]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("step"):
-            runner.execute_model(scheduled, tables)
+            runner.execute_model(batch)
     wall = 0.0
     per_category: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
@@ -108,17 +108,17 @@ def main() -> None:
     print(f"dtype {llm.llm_engine.model.dtype}, KV cache {llm.llm_engine.kv_cache_dtype}, "
           f"{torch.get_num_threads()} threads")
     for kind in ("decode", "prefill"):
-        for batch in args.batches:
+        for num_seqs in args.batches:
             if kind == "decode":
-                scheduled, tables = make_batch(llm, batch, args.context, 1)
+                batch = make_batch(llm, num_seqs, args.context, 1)
             else:
-                scheduled, tables = make_batch(llm, batch, 0, min(512, 2048 // batch))
-            tokens = sum(n for _, n in scheduled)
-            median = time_step(runner, scheduled, tables, args.repeats)
-            wall, parts = profile_step(runner, scheduled, tables)
+                batch = make_batch(llm, num_seqs, 0, min(512, 2048 // num_seqs))
+            tokens = batch.total_num_scheduled_tokens
+            median = time_step(runner, batch, args.repeats)
+            wall, parts = profile_step(runner, batch)
             shares = ", ".join(f"{name} {100 * t / wall:.0f}%" for name, t in
                                sorted(parts.items(), key=lambda kv: -kv[1]))
-            print(f"{kind:7} batch {batch:3} ({tokens:4} tokens): {median * 1000:8.1f} ms/step, "
+            print(f"{kind:7} batch {num_seqs:3} ({tokens:4} tokens): {median * 1000:8.1f} ms/step, "
                   f"{tokens / median:7.1f} tokens/s | {shares}")
 
 

@@ -38,19 +38,19 @@ def assert_pool_consistent(engine: LLMEngine) -> None:
 
 
 def fail_forward_once(engine: LLMEngine, when, after_forward: bool = False) -> list:
-    """Make the model runner raise in the first step for which ``when(scheduled)`` holds;
+    """Make the model runner raise in the first step for which ``when(batch.requests)`` holds;
     with ``after_forward``, after the real forward wrote its K/V (the worst case: blocks hold
     half a step's work). Returns the list of failures (one entry per injected raise)."""
     execute_model = engine.model_runner.execute_model
     failures = []
 
-    def faulty(scheduled, *args, **kwargs):
-        if not failures and when(scheduled):
-            failures.append([request.request_id for request, _ in scheduled])
+    def faulty(batch):
+        if not failures and when(batch.requests):
+            failures.append([request.request_id for request in batch.requests])
             if after_forward:
-                execute_model(scheduled, *args, **kwargs)
+                execute_model(batch)
             raise RuntimeError("injected forward fault")
-        return execute_model(scheduled, *args, **kwargs)
+        return execute_model(batch)
     engine.model_runner.execute_model = faulty
     return failures
 
@@ -153,7 +153,7 @@ def test_model_forward_exception_spares_a_running_request_left_out_of_that_step(
     engine.step()
     engine.add_request("long", list(range(20, 60)), SamplingParams(max_tokens=4, **GREEDY), arrival_time=0.0)
     engine.step()  # short decodes one token, long prefills 7
-    failures = fail_forward_once(engine, lambda scheduled: [r.request_id for r, _ in scheduled] == ["long"])
+    failures = fail_forward_once(engine, lambda scheduled: [r.request_id for r in scheduled] == ["long"])
     results = run_to_completion(engine)
     assert failures == [["long"]]
     assert results["long"].outputs[0].finish_reason == "error"

@@ -70,9 +70,9 @@ def test_b14_full_cache_hit_still_computes_last_token():
     scheduled_sizes = []
     original = engine.model_runner.execute_model
 
-    def spy(scheduled, *args):
-        scheduled_sizes.extend(num_new for _, num_new in scheduled)
-        return original(scheduled, *args)
+    def spy(batch):
+        scheduled_sizes.extend(request.num_new_tokens for request in batch.requests)
+        return original(batch)
 
     engine.model_runner.execute_model = spy
     first = run(engine, {"a": prompt})["a"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedllm import SamplingParams
-from pagedllm.core.request import Request
+from pagedllm.core.scheduled_batch import SamplingInput
 from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.worker.sampler import SamplingMetadata, process_logits, sample
 from tests.conftest import TINY_VOCAB, make_tiny_engine, run_to_completion
@@ -88,7 +88,7 @@ def test_sampling_frequencies_match_filtered_softmax(temperature, top_k, top_p, 
     vocab, draws = 12, 40_000
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(7)) * 1.5
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    requests = [Request(str(i), [0], params, max_tokens=1, eos_token_id=None) for i in range(draws)]
+    requests = [SamplingInput(str(i), params, prompt_token_ids=[0]) for i in range(draws)]
     meta = SamplingMetadata.build(requests, vocab)
     tokens = sample(logits.expand(draws, vocab), meta, torch.Generator().manual_seed(0)).sampled_token_ids
     counts = torch.bincount(tokens, minlength=vocab).tolist()
@@ -144,8 +144,7 @@ def test_penalties_match_per_request_reference():
                          repetition_penalty=round(rng.uniform(0.5, 2.0), 2))
         if row == 5:
             penalties = {}  # a row without penalties shares the batch unchanged
-        request = Request(str(row), prompt, SamplingParams(**penalties), max_tokens=30, eos_token_id=None)
-        request.output_token_ids = output
+        request = SamplingInput(str(row), SamplingParams(**penalties), prompt_token_ids=prompt, output_token_ids=output)
         requests.append(request)
         params = request.sampling_params
         references.append(_reference_penalties(logits[row].tolist(), prompt, output, params.presence_penalty,
@@ -159,9 +158,10 @@ def test_masks_and_bias_match_reference():
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(9))
     allowed = SamplingParams(allowed_token_ids=[3, 7, 11], logit_bias={7: 2.5, 20: 4.0})
     min_tokens = SamplingParams(min_tokens=4, stop_token_ids=[5, 6])
-    requests = [Request("a", [1], allowed, 10, eos_token_id=2), Request("b", [1], min_tokens, 10, eos_token_id=2),
-                Request("c", [1], SamplingParams(min_tokens=1, stop_token_ids=[5]), 10, eos_token_id=2)]
-    requests[2].output_token_ids = [9]  # min_tokens reached: nothing masked
+    requests = [SamplingInput("a", allowed, None, [1], [], eos_token_id=2),
+                SamplingInput("b", min_tokens, None, [1], [], eos_token_id=2),
+                # min_tokens reached: nothing masked
+                SamplingInput("c", SamplingParams(min_tokens=1, stop_token_ids=[5]), None, [1], [9], eos_token_id=2)]
     processed = process_logits(logits, SamplingMetadata.build(requests, vocab))
     expected = logits.clone()
     expected[0] = float("-inf")

@@ -23,6 +23,7 @@ from pagedllm.models.loader import build_model
 from pagedllm.spec_decode.ngram_proposer import propose_ngram
 from pagedllm.spec_decode.suffix_proposer import SuffixProposer
 from pagedllm.core.request import Request
+from pagedllm.core.scheduled_batch import SamplingInput
 from pagedllm.worker.rejection_sampler import rejection_sample
 from pagedllm.worker.sampler import SamplingMetadata, process_logits, sampling_probs
 from tests.conftest import make_tiny_engine, run_to_completion, tiny_config, tiny_state_dict
@@ -265,7 +266,7 @@ def test_rejection_sampler_emits_the_target_distribution():
     vocab, draws = 6, 12000
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3)) * 1.5
     params = SamplingParams(temperature=0.8, top_p=0.95)
-    request = Request("r", [1], params, 10, None)
+    request = SamplingInput("r", params, prompt_token_ids=[1])
     meta_one = SamplingMetadata.build([request] * 3, vocab)
     target = sampling_probs(process_logits(logits, meta_one), meta_one)
     for drafts in ([int(target[0].argmax()), int(target[1].argmax())],

@@ -75,7 +75,7 @@ def evaluate(model: Optional[str], dtype: str, num_tokens: int, budget_bytes: in
     """One row per quantization method (``methods``, None for unquantized) for ``model``; the
     first method's greedy outputs are the reference of the agreement column. See the module
     docstring."""
-    from pagedllm import LLM
+    from pagedllm.llm import LLM
 
     rows, reference = [], None
     for method in methods:

@@ -232,7 +232,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, engine_args: EngineArgs, log: Callable[[str], None] = print) -> int:
     """Run (a), (b) and (c) and print their figures."""
-    from pagedllm import LLM
+    from pagedllm.llm import LLM
     from pagedllm.models.loader import load_tokenizer, resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(engine_args.model))

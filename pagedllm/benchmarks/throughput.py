@@ -112,7 +112,7 @@ def run_pagedllm(llm, workload: list[BenchRequest]) -> BenchResult:
     Raises:
         RuntimeError: a request generated a different number of tokens than asked.
     """
-    from pagedllm import SamplingParams
+    from pagedllm.sampling_params import SamplingParams
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
@@ -172,7 +172,7 @@ def single_stream_pagedllm(llm, prompt: list[int], new_tokens: int) -> tuple[flo
     """``(time to first token s, decode tokens/s)`` of one request alone in the engine. The
     first token comes with the step of the prompt's last chunk: a prompt longer than
     ``max_num_batched_tokens`` takes several steps before it."""
-    from pagedllm import SamplingParams
+    from pagedllm.sampling_params import SamplingParams
 
     engine = llm.llm_engine
     engine.add_request("single-stream", {"prompt_token_ids": prompt},
@@ -277,7 +277,7 @@ def main(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     Raises:
         ValueError: ``--repeats`` < 1 or an invalid workload/engine option.
     """
-    from pagedllm import LLM
+    from pagedllm.llm import LLM
 
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")

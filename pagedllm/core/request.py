@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional, Union
-
-import torch
+from typing import TYPE_CHECKING, Optional, Union
 
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output import GrammarState
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output import GrammarState
 
 # A user's id, or ``(parent_request_id, index)`` for a sample of an ``n > 1`` request.
 RequestId = Union[str, tuple[str, int]]
@@ -46,8 +46,9 @@ class Request:
         prompt_token_ids: prompt tokens, length >= 1.
         output_token_ids: generated tokens so far.
         max_tokens: resolved generation limit in tokens (never None here).
-        generator: per-request ``torch.Generator`` when ``sampling_params.seed`` is set; it
-            lives on the request so that a preempted request continues the same random stream.
+        seed_offset: added to ``sampling_params.seed`` for this sample's random stream (the
+            sample's index in an ``n > 1`` request); the model runner keeps the stream, so a
+            preempted request continues it.
         logprobs: per generated token, its raw logprob record (see ``TokenLogprobs``).
         prompt_logprobs: per prompt position, its record (``None`` at position 0); filled
             only with ``sampling_params.prompt_logprobs``.
@@ -94,16 +95,14 @@ class Request:
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[Optional[TokenLogprobs]] = [None]
         self.cumulative_logprob = 0.0
-        self.generator: Optional[torch.Generator] = None
+        self.seed_offset = seed_offset
         self.cache_salt = cache_salt
         self.lora_request = lora_request
         self.priority = priority
         self.num_cached_tokens = -1
         self.pending_forks: list[Request] = []
-        self.grammar: Optional[GrammarState] = None
+        self.grammar: Optional["GrammarState"] = None
         self.spec_token_ids: list[int] = []
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed + seed_offset)
 
     @property
     def lora_int_id(self) -> int:

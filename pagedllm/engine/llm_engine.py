@@ -7,6 +7,7 @@ the changed requests into ``RequestOutput``s.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ import torch
 from pagedllm.config import EngineArgs
 from pagedllm.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduled_batch import SamplingInput, ScheduledBatch, ScheduledRequest
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.lora.request import LoRARequest
 from pagedllm.executor import make_executor
@@ -29,7 +31,7 @@ from pagedllm.engine.stats import IterationStats, ModelInfo, SchedulerStats
 from pagedllm.outputs import RequestOutput, TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode import Proposer, make_proposer
-from pagedllm.structured_output import GrammarCompiler
+from pagedllm.structured_output import GrammarCompiler, allocate_bitmask, fill_bitmasks
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +153,8 @@ class LLMEngine:
         self._scheduled_once: set = set()
         self._iteration = IterationStats()
         self._kv_snapshot_version = 0
+        self._finished_since_step: set = set()  # sequences whose random streams the runner can drop
+        self._forked_streams: list[tuple] = []  # (parent, child) of fork_request since the last step
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -306,8 +310,7 @@ class LLMEngine:
         for kept in child.logprobs:  # summed in the order step() sums them
             child.cumulative_logprob += kept.logprobs[0]
         child.prompt_logprobs = list(parent.prompt_logprobs)
-        if parent.generator is not None:
-            child.generator.set_state(parent.generator.get_state())
+        self._forked_streams.append((parent.request_id, child_id))
         if parent.grammar is not None:
             # The parent's state has accepted the token the child replaces.
             child.grammar = parent.grammar.fork(num_rollback=1)
@@ -403,8 +406,6 @@ class LLMEngine:
             logger.warning("this LLMEngine steps on another thread than the one that built it: torch's "
                            "OpenMP then keeps two thread teams and steps run up to ~2x slower; build it "
                            "on the thread that steps it (AsyncLLMEngine takes a function that builds it)")
-        block_tables = {request.request_id: self.kv_cache_manager.get_block_ids(request.request_id)
-                        for request, _ in scheduler_output.scheduled}
         # The samples of an n > 1 request fork (and get their first token) in this step.
         requests = {}
         for request, _ in scheduler_output.scheduled:
@@ -412,10 +413,7 @@ class LLMEngine:
             for fork in request.pending_forks:
                 requests[fork.request_id] = fork
         try:
-            runner_output = self.executor.execute_model(scheduler_output.scheduled, block_tables,
-                                                        scheduler_output.blocks_to_copy,
-                                                        scheduler_output.lora_ids_in_use,
-                                                        scheduler_output.scheduled_spec_decode_tokens)
+            runner_output = self.executor.execute_model(self._make_batch(scheduler_output))
         except Exception as exc:
             if self.executor.step_failures_are_fatal:
                 raise
@@ -453,6 +451,59 @@ class LLMEngine:
             if all(child.is_finished() for child in parent.children):
                 self._forget(parent_id)
         return outputs
+
+    def _make_batch(self, scheduler_output: SchedulerOutput) -> ScheduledBatch:
+        """The step as plain data for the model runner (``core/scheduled_batch.py``): each
+        scheduled request's tokens, block table and the sequences to sample, the grammar
+        masks of the constrained ones, and the sequences that ended since the last step."""
+        scheduled = []
+        constrained: list[tuple[Request, int, int]] = []  # (sequence, request index, sample index)
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        for request, num_new in scheduler_output.scheduled:
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+            drafts = spec_tokens.get(request.request_id, [])
+            if drafts:
+                token_ids = [request.token_id_at(start)] + drafts
+            else:
+                token_ids = request.all_token_ids[start:end]
+            sampled: list[Request] = []
+            if drafts or (end == request.num_tokens and request.max_tokens > 0):
+                # A max_tokens=0 request runs only for its prompt logprobs (echo).
+                sampled = [request, *request.pending_forks]
+            prompt_logprobs = None
+            num_top = request.sampling_params.prompt_logprobs
+            if num_top is not None and not drafts:
+                # Row i predicts token i + 1; skip prompt positions already collected before
+                # a preemption made the request compute its prompt again.
+                first = max(start + 1, len(request.prompt_logprobs))
+                last = min(end, request.num_prompt_tokens - 1)
+                if first <= last:
+                    prompt_logprobs = (first - 1 - start, request.prompt_token_ids[first:last + 1], num_top)
+            for index, sequence in enumerate(sampled):
+                if sequence.grammar is not None:
+                    constrained.append((sequence, len(scheduled), index))
+            scheduled.append(ScheduledRequest(
+                request.request_id, token_ids, start, self.kv_cache_manager.get_block_ids(request.request_id),
+                tuple(self._sampling_input(sequence) for sequence in sampled), drafts, prompt_logprobs,
+                request.lora_request))
+        if constrained:
+            bitmask = allocate_bitmask(len(constrained), self.model_config.vocab_size)
+            fill_bitmasks([sequence.grammar for sequence, _, _ in constrained], bitmask)
+            for row, (_, request_index, sample_index) in enumerate(constrained):
+                samples = list(scheduled[request_index].samples)
+                samples[sample_index] = dataclasses.replace(samples[sample_index], grammar_bitmask=bitmask[row])
+                scheduled[request_index] = dataclasses.replace(scheduled[request_index], samples=tuple(samples))
+        finished, self._finished_since_step = frozenset(self._finished_since_step), set()
+        forked, self._forked_streams = self._forked_streams, []
+        return ScheduledBatch(scheduled, scheduler_output.blocks_to_copy, scheduler_output.lora_ids_in_use,
+                              finished, forked)
+
+    @staticmethod
+    def _sampling_input(sequence: Request) -> SamplingInput:
+        params = sequence.sampling_params
+        return SamplingInput(sequence.request_id, params,
+                             None if params.seed is None else params.seed + sequence.seed_offset,
+                             sequence.prompt_token_ids, sequence.output_token_ids, sequence.eos_token_id)
 
     def _process_tokens(self, request: Request, token_ids: list[int]) -> int:
         """Decode the tokens the request just got (already appended); a stop string in the
@@ -589,6 +640,7 @@ class LLMEngine:
     def _forget(self, parent_id: str) -> None:
         children = self.parents.pop(parent_id).children
         for child in children:
+            self._finished_since_step.add(child.request_id)
             del self._child_to_parent[child.request_id]
             self._scheduled_once.discard(child.request_id)
             if self.proposer is not None:

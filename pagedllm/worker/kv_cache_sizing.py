@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.config import EngineArgs, kv_cache_bytes_per_block, machine_memory, process_memory
-from pagedllm.core.request import Request
+from pagedllm.core.scheduled_batch import SamplingInput, ScheduledBatch, ScheduledRequest
 from pagedllm.distributed.parallel_state import collectives_disabled
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
@@ -73,16 +73,15 @@ def profile_activation_peak(model: "LlamaForCausalLM", args: EngineArgs, kv_cach
     num_tokens = min(args.max_num_batched_tokens, model.config.max_position_embeddings)
     runner = ModelRunner(model, cdiv(num_tokens, args.block_size), args.block_size,
                          kv_cache_dtype=kv_cache_dtype)
-    params = SamplingParams(max_tokens=1)
-    request = Request("profile", [0] * num_tokens, params, max_tokens=1, eos_token_id=None)
-    table = list(range(runner.num_blocks))
+    request = ScheduledRequest("profile", [0] * num_tokens, 0, list(range(runner.num_blocks)),
+                               (SamplingInput("profile", SamplingParams(max_tokens=1)),))
     before = process_memory()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM, the peak resident set size
     except OSError:
         pass
-    runner.execute_model([(request, num_tokens)], {"profile": table})
+    runner.execute_model(ScheduledBatch([request]))
     with open("/proc/self/status") as f:
         peak = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), before)
     return max(0, peak - before)

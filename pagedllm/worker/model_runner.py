@@ -15,7 +15,8 @@ from typing import Optional, Sequence
 import torch
 
 from pagedllm.config import kv_row_width
-from pagedllm.core.request import Request
+from pagedllm.core.request import RequestId
+from pagedllm.core.scheduled_batch import SamplingInput, ScheduledBatch, ScheduledRequest
 from pagedllm.huge_pages import huge_page_zeros, populate_for_write
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
 from pagedllm.layers.ops import native_ops
@@ -61,16 +62,15 @@ class ModelRunnerOutput:
 @dataclass
 class _ForwardResult:
     """The forward of one step: ``hidden`` ``[num_tokens, hidden_size]`` of the flat batch,
-    the rows to sample (``sample_rows[i]`` for ``sample_requests[i]``), the
-    ``(request, first_row, next_prompt_tokens)`` spans whose rows give prompt logprobs, and
-    the ``(request, first_row, drafts)`` of requests verifying drafts (``len(drafts) + 1``
-    rows each)."""
+    the rows to sample (``sample_rows[i]`` for ``samples[i]``), the ``(request, first_row)``
+    of requests whose rows give prompt logprobs, and the ``(request, first_row)`` of requests
+    verifying drafts (``len(drafts) + 1`` rows each)."""
 
     hidden: torch.Tensor
     sample_rows: list[int]
-    sample_requests: list[Request]
-    prompt_logprob_rows: list[tuple[Request, int, list[int]]]
-    spec_rows: list[tuple[Request, int, list[int]]] = field(default_factory=list)
+    samples: list[SamplingInput]
+    prompt_logprob_rows: list[tuple[ScheduledRequest, int]]
+    spec_rows: list[tuple[ScheduledRequest, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -106,6 +106,8 @@ class ModelRunner:
         self.kv_caches = [(_lazy_zeros(shape, dtype), _lazy_zeros(shape, dtype))
                           for _ in range(config.num_hidden_layers)]
         self.generator = torch.Generator().manual_seed(seed)
+        # Seeded sequences' own random streams, by request id (vLLM keeps them in its InputBatch).
+        self._generators: dict[RequestId, torch.Generator] = {}
         self._warmed = 0  # slices of KV_WARM_SLICE bytes done by warm_kv_cache, all regions in turn
         _keep_freed_memory_mapped()
         _bound_onednn_caches()
@@ -114,72 +116,83 @@ class ModelRunner:
         native_ops()
 
     @torch.inference_mode()
-    def execute_model(self, scheduled: Sequence[tuple[Request, int]],
-                      block_tables: dict[str, list[int]],
-                      blocks_to_copy: Sequence[tuple[int, int]] = (),
-                      lora_ids_in_use: frozenset[int] = frozenset(),
-                      spec_token_ids: Optional[dict[str, list[int]]] = None) -> ModelRunnerOutput:
+    def execute_model(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         """Compute the scheduled tokens of every request and sample where a chunk ends a sequence.
 
         Args:
-            scheduled: ``(request, num_new_tokens)``; the request computes tokens
-                ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``.
-            block_tables: request_id -> physical block ids covering those tokens.
-            blocks_to_copy: copy-on-write ``(src, dst)`` block ids, applied before the forward.
-            lora_ids_in_use: LoRA adapters of every running request (kept loaded).
-            spec_token_ids: request_id -> the drafts it verifies (``SchedulerOutput.
-                scheduled_spec_decode_tokens``); its ``num_new_tokens`` is ``1 + len(drafts)``.
+            batch: the step (``core/scheduled_batch.py``): each request's tokens, positions
+                and block table, the sequences to sample, copy-on-write copies, adapters.
 
         Returns:
-            The tokens sampled for requests whose chunk reaches ``num_tokens`` and for their
-            ``pending_forks`` (each draws from the same logits row), with their logprobs, and
-            the prompt logprobs of the chunks computed. A request with drafts gets the number
-            it accepted (``worker/rejection_sampler.py``) and the token after them.
+            The tokens sampled for each request's ``samples`` (each draws from the same
+            logits row), with their logprobs, and the prompt logprobs of the chunks computed.
+            A request with drafts gets the number it accepted (``worker/rejection_sampler.py``)
+            and the token after them.
         """
-        forward = self._forward(scheduled, block_tables, blocks_to_copy, lora_ids_in_use, spec_token_ids or {})
+        for request_id in batch.finished_req_ids:
+            self._generators.pop(request_id, None)
+        for parent_id, child_id in batch.forked_streams:
+            if parent_id in self._generators:
+                self._generators[child_id] = torch.Generator().set_state(self._generators[parent_id].get_state())
+        forward = self._forward(batch)
         output = ModelRunnerOutput()
-        for request, first_row, targets in forward.prompt_logprob_rows:
+        for request, first_row in forward.prompt_logprob_rows:
+            _, targets, num_top = request.prompt_logprobs
             output.prompt_logprobs[request.request_id] = self._prompt_logprobs(
-                forward.hidden[first_row:first_row + len(targets)], targets,
-                request.sampling_params.prompt_logprobs)
+                forward.hidden[first_row:first_row + len(targets)], targets, num_top)
         if forward.spec_rows:
             self._verify_drafts(forward, output)
-        sample_requests = forward.sample_requests
-        if not sample_requests:
+        samples = forward.samples
+        if not samples:
             return output
         logits = self.model.compute_logits(forward.hidden[forward.sample_rows])
-        sampled = sample(logits, SamplingMetadata.build(sample_requests, logits.shape[-1]), self.generator)
+        sampled = sample(logits, self._sampling_metadata(samples, logits.shape[-1]), self.generator)
         token_ids = sampled.sampled_token_ids.tolist()
         token_logprobs = sampled.sampled_logprobs.tolist()
         ranks = sampled.sampled_ranks.tolist() if sampled.sampled_ranks is not None else None
         top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
         top_logprobs = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-        for row, request in enumerate(sample_requests):
-            output.sampled_token_ids[request.request_id] = token_ids[row]
-            k = request.sampling_params.logprobs
+        for row, sample_input in enumerate(samples):
+            request_id = sample_input.request_id
+            output.sampled_token_ids[request_id] = token_ids[row]
+            k = sample_input.sampling_params.logprobs
             if k is None:
-                output.logprobs[request.request_id] = TokenLogprobs([token_ids[row]], [token_logprobs[row]], [])
+                output.logprobs[request_id] = TokenLogprobs([token_ids[row]], [token_logprobs[row]], [])
             else:
-                output.logprobs[request.request_id] = TokenLogprobs(
+                output.logprobs[request_id] = TokenLogprobs(
                     [token_ids[row]] + top_ids[row][:k], [token_logprobs[row]] + top_logprobs[row][:k],
                     [ranks[row]] + list(range(1, k + 1)))
         return output
 
+    def _sampling_metadata(self, samples: Sequence[SamplingInput], vocab_size: int) -> SamplingMetadata:
+        """``SamplingMetadata`` of ``samples``, each seeded one drawing from its own stream
+        (made on first use, kept until the request finishes: a preempted request continues it)."""
+        generators = {}
+        for sample_input in samples:
+            seed = sample_input.seed
+            if seed is not None and not sample_input.sampling_params.greedy:
+                if sample_input.request_id not in self._generators:
+                    self._generators[sample_input.request_id] = torch.Generator().manual_seed(seed)
+                generators[sample_input.request_id] = self._generators[sample_input.request_id]
+        return SamplingMetadata.build(samples, vocab_size, generators)
+
     def _verify_drafts(self, forward: "_ForwardResult", output: ModelRunnerOutput) -> None:
         """Rejection-sample the drafts of ``forward.spec_rows`` into ``output`` (tokens, the
         number accepted, and the raw logprob records of every emitted token)."""
-        rows, requests, drafts = [], [], []
-        for request, first_row, request_drafts in forward.spec_rows:
+        rows, samples, drafts = [], [], []
+        for request, first_row in forward.spec_rows:
+            request_drafts = request.spec_token_ids
             rows.extend(range(first_row, first_row + len(request_drafts) + 1))
-            requests.extend([request] * (len(request_drafts) + 1))
+            samples.extend(request.samples * (len(request_drafts) + 1))
             drafts.append(request_drafts)
         logits = self.model.compute_logits(forward.hidden[rows]).float()
-        emitted = rejection_sample(logits, SamplingMetadata.build(requests, logits.shape[-1]), drafts,
+        emitted = rejection_sample(logits, self._sampling_metadata(samples, logits.shape[-1]), drafts,
                                    self.generator)
         logprobs = compute_logprobs(logits)
         first = 0
-        for (request, _, request_drafts), tokens in zip(forward.spec_rows, emitted):
-            k = request.sampling_params.logprobs
+        for (request, _), tokens in zip(forward.spec_rows, emitted):
+            request_drafts = request.spec_token_ids
+            k = request.samples[0].sampling_params.logprobs
             values, ranks, top_ids, top_values = gather_logprobs(
                 logprobs[first:first + len(tokens)], torch.tensor(tokens), k or 0)
             records = [TokenLogprobs([token], [value], []) if k is None else
@@ -244,85 +257,74 @@ class ModelRunner:
         with self.lora_manager.activate(step.lora_mapping):
             return self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
 
-    def _forward(self, scheduled: Sequence[tuple[Request, int]], block_tables: dict[str, list[int]],
-                 blocks_to_copy: Sequence[tuple[int, int]],
-                 lora_ids_in_use: frozenset[int], spec_token_ids: dict[str, list[int]]) -> "_ForwardResult":
+    def _forward(self, batch: ScheduledBatch) -> "_ForwardResult":
         # Decode rows first: they share one batched decode-attention call (and, in a step
         # without prefill chunks, the fused C++ layers). A request verifying drafts is decode
         # rows too, one per token, row j seeing the context up to its own position: the KV of
         # every row is written before any row attends, so each row is computed exactly as
         # one-token decoding would compute it (greedy output stays the same token for token).
-        decodes = [(r, n) for r, n in scheduled if n == 1 or r.request_id in spec_token_ids]
-        prefills = [(r, n) for r, n in scheduled if n > 1 and r.request_id not in spec_token_ids]
+        decodes = [r for r in batch.requests if r.num_new_tokens == 1 or r.spec_token_ids]
+        prefills = [r for r in batch.requests if r.num_new_tokens > 1 and not r.spec_token_ids]
         lora_mapping = None
-        if any(r.lora_request is not None for r, _ in scheduled):
+        if any(r.lora_request is not None for r in batch.requests):
             # Rows of one adapter side by side (the sort is stable): most groups are one range,
             # which the LoRA layers take as a view instead of a gather and scatter.
-            decodes.sort(key=lambda item: item[0].lora_int_id)
-            prefills.sort(key=lambda item: item[0].lora_int_id)
-            lora_mapping = LoRAMapping(lora_ids_in_use=lora_ids_in_use)
+            decodes.sort(key=lambda r: r.lora_int_id)
+            prefills.sort(key=lambda r: r.lora_int_id)
+            lora_mapping = LoRAMapping(lora_ids_in_use=batch.lora_ids_in_use)
         ordered = decodes + prefills
 
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        sample_requests: list[Request] = []
-        prompt_logprob_rows: list[tuple[Request, int, list[int]]] = []
+        samples: list[SamplingInput] = []
+        prompt_logprob_rows: list[tuple[ScheduledRequest, int]] = []
         prefill_seqs: list[PrefillSequence] = []
-        spec_rows: list[tuple[Request, int, list[int]]] = []
-        decode_rows: list[tuple[str, int]] = []  # (request_id, context length) per decode row
+        spec_rows: list[tuple[ScheduledRequest, int]] = []
+        decode_rows: list[tuple[ScheduledRequest, int]] = []  # (request, context length) per decode row
         block_size = self.block_size
-        for request, num_new in ordered:
+        for request in ordered:
+            num_new = request.num_new_tokens
             start = request.num_computed_tokens
             end = start + num_new
-            table = block_tables[request.request_id]
+            table = request.block_table
             row = len(input_ids)
-            drafts = spec_token_ids.get(request.request_id)
             if lora_mapping is not None and request.lora_request is not None:
                 lora_mapping.add_rows(request.lora_request, row, row + num_new)
             positions.extend(range(start, end))
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-            if drafts:
-                input_ids.append(request.all_token_ids[start])
-                input_ids.extend(drafts)
-                spec_rows.append((request, row, drafts))
-                decode_rows.extend((request.request_id, p + 1) for p in range(start, end))
+            input_ids.extend(request.token_ids)
+            if request.spec_token_ids:
+                spec_rows.append((request, row))
+                decode_rows.extend((request, p + 1) for p in range(start, end))
                 continue
-            input_ids.extend(request.all_token_ids[start:end])
             if num_new == 1:
-                decode_rows.append((request.request_id, end))
+                decode_rows.append((request, end))
             else:
                 prefill_seqs.append(PrefillSequence(row, row + num_new, end,
                                                     torch.tensor(table[:-(-end // block_size)])))
-            # A max_tokens=0 request runs only for its prompt logprobs (echo).
-            if end == request.num_tokens and request.max_tokens > 0:
-                for sampled_request in (request, *request.pending_forks):
-                    sample_rows.append(row + num_new - 1)
-                    sample_requests.append(sampled_request)
-            if request.sampling_params.prompt_logprobs is not None:
-                # Row i predicts token i + 1; skip prompt positions already collected before
-                # a preemption made the request compute its prompt again.
-                first = max(start + 1, len(request.prompt_logprobs))
-                last = min(end, request.num_prompt_tokens - 1)
-                if first <= last:
-                    prompt_logprob_rows.append((request, row + first - 1 - start,
-                                                request.prompt_token_ids[first:last + 1]))
+            for sample_input in request.samples:
+                sample_rows.append(row + num_new - 1)
+                samples.append(sample_input)
+            if request.prompt_logprobs is not None:
+                prompt_logprob_rows.append((request, row + request.prompt_logprobs[0]))
 
         metadata = AttentionMetadata(slot_mapping=torch.tensor(slots), prefills=prefill_seqs,
                                      num_decode_tokens=len(decode_rows))
         if decode_rows:
             context_lens = [context_len for _, context_len in decode_rows]
             max_blocks = -(-max(context_lens) // block_size)
-            tables = [block_tables[request_id][:max_blocks] for request_id, _ in decode_rows]
+            tables = [request.block_table[:max_blocks] for request, _ in decode_rows]
             metadata.decode_block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
             metadata.decode_context_lens = torch.tensor(context_lens)
 
-        step = StepInputs(torch.tensor(input_ids), torch.tensor(positions), metadata, blocks_to_copy, lora_mapping)
+        step = StepInputs(torch.tensor(input_ids), torch.tensor(positions), metadata, batch.blocks_to_copy,
+                          lora_mapping)
         if self.broadcast_steps:
             broadcast_step(step)
         hidden = self.execute_step(step)
-        return _ForwardResult(hidden, sample_rows, sample_requests, prompt_logprob_rows, spec_rows)
+        return _ForwardResult(hidden, sample_rows, samples, prompt_logprob_rows, spec_rows)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, next_token_ids: list[int],
                          num_top: int) -> list[TokenLogprobs]:

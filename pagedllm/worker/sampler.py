@@ -28,9 +28,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from pagedllm.core.request import Request
+from pagedllm.core.scheduled_batch import SamplingInput
 from pagedllm.layers.ops import native_ops
-from pagedllm.structured_output import allocate_bitmask, apply_token_bitmask, fill_bitmasks
+from pagedllm.structured_output import apply_token_bitmask
 
 # Floor of reported logprobs: a finite number JSON can carry (OpenAI's convention for -inf).
 LOGPROB_FLOOR = -9999.0
@@ -82,8 +82,10 @@ class SamplingMetadata:
     grammar_bitmask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @classmethod
-    def build(cls, requests: Sequence[Request], vocab_size: int) -> "SamplingMetadata":
-        """Gather the rows' parameters and token histories (one row per request, in order).
+    def build(cls, requests: Sequence[SamplingInput], vocab_size: int,
+              generators: Optional[dict] = None) -> "SamplingMetadata":
+        """Gather the rows' parameters, token histories and grammar masks (one row per
+        sequence, in order); ``generators``: request_id -> the seeded stream it draws from.
 
         Repetition penalty counts prompt and generated tokens, presence/frequency only the
         generated ones; both lists come from the request, which keeps them apart across
@@ -105,8 +107,9 @@ class SamplingMetadata:
                 meta.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
             if any(p.min_p > 0.0 for p in params):
                 meta.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-            meta.generators = {row: r.generator for row, r in enumerate(requests)
-                               if r.generator is not None and not greedy[row]}
+            generators = generators or {}
+            meta.generators = {row: generators[r.request_id] for row, r in enumerate(requests)
+                               if r.request_id in generators and not greedy[row]}
         if any(p.needs_penalties for p in params):
             meta.presence_penalties = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
             meta.frequency_penalties = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
@@ -151,11 +154,10 @@ class SamplingMetadata:
         if bias_rows:
             meta.logit_bias = (torch.tensor(bias_rows), torch.tensor(bias_tokens),
                                torch.tensor(bias_values, dtype=torch.float32))
-        constrained = [row for row, request in enumerate(requests) if request.grammar is not None]
+        constrained = [row for row, request in enumerate(requests) if request.grammar_bitmask is not None]
         if constrained:
-            bitmask = allocate_bitmask(len(constrained), vocab_size)
-            fill_bitmasks([requests[row].grammar for row in constrained], bitmask)
-            meta.grammar_bitmask = (torch.tensor(constrained), bitmask)
+            meta.grammar_bitmask = (torch.tensor(constrained),
+                                    torch.stack([requests[row].grammar_bitmask for row in constrained]))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         meta.max_num_logprobs = max(wanted) if wanted else None
         return meta
