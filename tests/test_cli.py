@@ -158,7 +158,7 @@ def test_serve_runs_the_torch_path_when_asked(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_NATIVE_OPS", "0")
     assert ops.native_ops_error() is None
     started = []
-    monkeypatch.setattr("pagedllm.entrypoints.openai.api_server.run_server", lambda args, kwargs: started.append(1) or 0)
+    monkeypatch.setattr("pagedllm.entrypoints.openai.api_server.run_server", lambda *args: started.append(1) or 0)
     assert cli.main(["serve", "--port", "1"]) == 0 and started == [1]
 
 
