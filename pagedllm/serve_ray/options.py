@@ -29,25 +29,29 @@ class ReplicaPlan:
     target_ongoing_requests: Optional[float]
 
     @classmethod
-    def from_args(cls, args: ServerArgs, max_num_seqs: int, cores: int) -> "ReplicaPlan":
-        """The plan of ``args``' replica options on ``cores`` CPUs; ``max_num_seqs`` (the
+    def from_args(cls, server_args: ServerArgs, max_num_seqs: int, cores: int) -> "ReplicaPlan":
+        """The plan of ``server_args``' replica options on ``cores`` CPUs; ``max_num_seqs`` (the
         engine's) is the default autoscaling target.
 
         Raises:
             ValueError: a count below 1, --max-replicas below --replicas, or a target <= 0.
         """
-        replicas = args.replicas
+        replicas = server_args.replicas
         if replicas is None or replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
-        most = args.max_replicas if args.max_replicas is not None else replicas
+        most = server_args.max_replicas if server_args.max_replicas is not None else replicas
         if most < replicas:
             raise ValueError(f"--max-replicas must be >= --replicas ({replicas}), got {most}")
-        threads = args.threads_per_replica if args.threads_per_replica is not None else max(1, cores // most)
+        threads = server_args.threads_per_replica
+        if threads is None:
+            threads = max(1, cores // most)
         if threads < 1:
             raise ValueError(f"--threads-per-replica must be >= 1, got {threads}")
         target = None
         if most > replicas:
-            target = args.target_ongoing_requests if args.target_ongoing_requests is not None else max_num_seqs
+            target = server_args.target_ongoing_requests
+            if target is None:
+                target = max_num_seqs
             if not target > 0:
                 raise ValueError(f"--target-ongoing-requests must be > 0, got {target}")
         return cls(replicas, most, threads, target)

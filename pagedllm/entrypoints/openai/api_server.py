@@ -39,7 +39,6 @@ The live KV view's streams end at once. A second signal ends the drain at once.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import re
@@ -265,36 +264,30 @@ def _dead(engine: EngineClient) -> OpenAIError:
     return OpenAIError(503, f"the engine loop is dead: {engine.dead_error!r}", "ServiceUnavailableError")
 
 
-def _shutting_down() -> OpenAIError:
-    return OpenAIError(503, "the server is shutting down", "ServiceUnavailableError")
+def _probe(raw_request: Request, ready: bool) -> Optional[Response]:
+    """The 503 of a probe: the engine loop died, or (``ready``) the server is draining; None
+    when it passes."""
+    engine = engine_client(raw_request)
+    if not engine.is_healthy:
+        return _dead(engine).response()
+    if ready and engine.draining:
+        return OpenAIError(503, "the server is shutting down", "ServiceUnavailableError").response()
+    return None
 
 
 @router.get("/health")
 async def health(raw_request: Request) -> Response:
-    engine = engine_client(raw_request)
-    if not engine.is_healthy:
-        return _dead(engine).response()
-    if engine.draining:
-        return _shutting_down().response()
-    return Response(status_code=200)
+    return _probe(raw_request, ready=True) or Response(status_code=200)
 
 
 @router.get("/livez")
 async def livez(raw_request: Request) -> Response:
-    engine = engine_client(raw_request)
-    if not engine.is_healthy:
-        return _dead(engine).response()
-    return JSONResponse({"status": "alive"})
+    return _probe(raw_request, ready=False) or JSONResponse({"status": "alive"})
 
 
 @router.get("/readyz")
 async def readyz(raw_request: Request) -> Response:
-    engine = engine_client(raw_request)
-    if not engine.is_healthy:
-        return _dead(engine).response()
-    if engine.draining:
-        return _shutting_down().response()
-    return JSONResponse({"status": "ready"})
+    return _probe(raw_request, ready=True) or JSONResponse({"status": "ready"})
 
 
 @router.get("/load")
@@ -445,13 +438,8 @@ async def debug_kv_stream(raw_request: Request) -> Response:
 
 
 @dashboard_router.get("/dashboard", include_in_schema=False)
-async def dashboard() -> HTMLResponse:
-    return HTMLResponse(_dashboard_page(), headers={"Cache-Control": "no-cache"})
-
-
-@functools.cache
-def _dashboard_page() -> str:
-    return _DASHBOARD_HTML.read_text(encoding="utf-8")
+async def dashboard(raw_request: Request) -> HTMLResponse:
+    return HTMLResponse(raw_request.app.state.dashboard_page, headers={"Cache-Control": "no-cache"})
 
 
 async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -554,6 +542,7 @@ def build_app(engine: EngineClient, server_args: ServerArgs, api_keys: Optional[
     if server_args.allow_runtime_lora_updating:
         app.include_router(lora_router)
     if not server_args.disable_dashboard:
+        state.dashboard_page = _DASHBOARD_HTML.read_text(encoding="utf-8")
         app.include_router(dashboard_router)
     return app
 
