@@ -245,18 +245,22 @@ dashboard_router = APIRouter()  # without --disable-dashboard
 
 
 def engine_client(raw_request: Request) -> EngineClient:
+    """The engine the app serves (``build_app``'s ``engine``)."""
     return raw_request.app.state.engine_client
 
 
 def models(raw_request: Request) -> OpenAIServingModels:
+    """The served names and LoRA adapters, shared by the handlers."""
     return raw_request.app.state.openai_serving_models
 
 
 def completions(raw_request: Request) -> OpenAIServingCompletion:
+    """The ``/v1/completions`` handler (also tokenization for ``/tokenize``)."""
     return raw_request.app.state.openai_serving_completion
 
 
 def chat(raw_request: Request) -> OpenAIServingChat:
+    """The ``/v1/chat/completions`` handler (also chat rendering for ``/tokenize``)."""
     return raw_request.app.state.openai_serving_chat
 
 
