@@ -19,24 +19,29 @@ from the replicas' counters) with each replica's share of the requests.
 ``--concurrency`` clients, then idleness; the replica count is logged once a second until it is
 back to ``--replicas`` (or ``--idle-seconds`` pass).
 
-Any other option is ``pagedllm serve``'s (``--max-num-seqs``, ``--dtype``, ``--engine-factory``...).
+Any other option is ``pagedllm serve``'s (``--max-num-seqs``, ``--dtype``...). ``--engine-factory
+MODULE:FUNCTION`` (this script's, not ``pagedllm serve``'s) builds the replicas' engines, e.g.
+``tests.test_ray_serve:slow_tiny_chat_engine`` for the tests' tiny model.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagedllm.entrypoints.cli import build_parser  # noqa: E402
+from pagedllm.entrypoints.openai.cli_args import parse_serve_args  # noqa: E402
 
 TOPICS = ["the weather", "cooking", "chess", "astronomy", "gardening", "music theory", "sailing", "geology"]
 
@@ -98,14 +103,20 @@ def wait_for_replicas(url: str, count: int, timeout: float = 600) -> dict:
     raise TimeoutError(f"{count} replicas did not report within {timeout} s")
 
 
-def deploy(argv: list[str], port: int):
-    """``pagedllm serve ARGV`` deployed on the running Ray instance; returns its URL."""
+def deploy(argv: list[str], port: int, engine_factory: Optional[str] = None):
+    """``pagedllm serve ARGV`` deployed on the running Ray instance, its engines built by
+    ``engine_factory`` (``module:function``; default ``LLMEngine``); returns its URL."""
     from ray import serve
 
     from pagedllm.serve_ray.app import APP_NAME, build_application
 
-    args = build_parser().parse_args(["serve", *argv])
-    serve.run(build_application(args), name=APP_NAME, route_prefix="/", blocking=False)
+    factory = None
+    if engine_factory:
+        module_name, _, function_name = engine_factory.partition(":")
+        factory = getattr(importlib.import_module(module_name), function_name)
+    server_args, engine_args = parse_serve_args(build_parser().parse_args(["serve", *argv]))
+    serve.run(build_application(server_args, engine_args, engine_factory=factory), name=APP_NAME, route_prefix="/",
+              blocking=False)
     return f"http://127.0.0.1:{port}"
 
 
@@ -123,7 +134,8 @@ def routing(options: argparse.Namespace, serve_argv: list[str]) -> None:
           f"chat requests, ~{options.system_tokens} system tokens each, {options.max_tokens} output tokens, "
           f"{options.concurrency} clients; {options.replicas} replicas", flush=True)
     for router in ("prefix", "pow2"):
-        url = deploy([*serve_argv, "--replicas", str(options.replicas), "--router", router], options.port)
+        url = deploy([*serve_argv, "--replicas", str(options.replicas), "--router", router], options.port,
+                     options.engine_factory)
         before = wait_for_replicas(url, options.replicas)
         result = asyncio.run(run_workload(url, requests, options.concurrency, options.api_key))
         time.sleep(2 * options.report_wait)
@@ -141,7 +153,8 @@ def routing(options: argparse.Namespace, serve_argv: list[str]) -> None:
 
 def autoscale(options: argparse.Namespace, serve_argv: list[str]) -> None:
     url = deploy([*serve_argv, "--replicas", str(options.replicas), "--max-replicas", str(options.max_replicas),
-                  "--target-ongoing-requests", str(options.target_ongoing_requests)], options.port)
+                  "--target-ongoing-requests", str(options.target_ongoing_requests)], options.port,
+                 options.engine_factory)
     wait_for_replicas(url, options.replicas)
     body = {"model": options.model_name, "max_tokens": options.max_tokens, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Tell me about sailing."}]}
@@ -199,6 +212,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default="bench")
     parser.add_argument("--model-name", default="bench")
+    parser.add_argument("--engine-factory", default=None, metavar="MODULE:FUNCTION",
+                        help="builds each replica's engine from its EngineArgs (default: LLMEngine)")
     options, serve_argv = parser.parse_known_args()
     serve_argv = [*serve_argv, "--api-key", options.api_key, "--served-model-name", options.model_name]
 

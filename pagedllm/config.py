@@ -153,6 +153,45 @@ def _option(default: Any, help: str, **cli: Any) -> Any:
     return field(default=default, metadata={"help": help, **cli})
 
 
+def add_dataclass_cli_args(parser: argparse.ArgumentParser, cls: type, group_title: str) -> None:
+    """One flag per field of the dataclass ``cls``, from the field's metadata (``help``, and
+    optionally ``flags``, ``choices``, ``parse``, ``metavar``, ``nargs``, ``group``), in the
+    argument group ``group_title`` unless the field names another ``group``.
+
+    The flag is the field's name with dashes, its type the field's (``Optional`` removed; a
+    ``list[T]`` field takes ``T``s); a bool becomes ``--name`` / ``--no-name``, or
+    ``store_true`` with ``metadata["store_true"]``; a default other than None is shown in the
+    help unless ``metadata["show_default"]`` is False (the help says it in words).
+    """
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    hints = typing.get_type_hints(cls)
+    for option in dataclasses.fields(cls):
+        metadata = option.metadata
+        title = metadata.get("group", group_title)
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        group = groups[title]
+        flags = metadata.get("flags", ("--" + option.name.replace("_", "-"),))
+        help_text = metadata["help"]
+        kind = hints[option.name]
+        if typing.get_origin(kind) is Union:
+            (kind,) = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        if kind is bool and metadata.get("store_true"):
+            group.add_argument(*flags, dest=option.name, action="store_true", help=help_text)
+            continue
+        if option.default is not None and metadata.get("show_default", True):
+            help_text += " (default %(default)s)"
+        if kind is bool:
+            group.add_argument(*flags, dest=option.name, default=option.default,
+                               action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        if typing.get_origin(kind) is list:
+            (kind,) = typing.get_args(kind)
+        extra = {name: metadata[name] for name in ("metavar", "nargs") if name in metadata}
+        group.add_argument(*flags, dest=option.name, default=option.default, type=metadata.get("parse", kind),
+                           choices=metadata.get("choices"), help=help_text, **extra)
+
+
 @dataclass
 class EngineArgs:
     """Every engine option, with vLLM's names and meanings.
@@ -259,30 +298,9 @@ class EngineArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         """Add an ``engine`` argument group with one flag per field (vLLM's
-        ``EngineArgs.add_cli_args``); ``from_cli_args`` reads them back.
-
-        The flag is the field's name with dashes, its type the field's (``Optional`` removed),
-        a bool becomes ``--name`` / ``--no-name``; a default other than None is shown in the
-        help. ``parser.set_defaults`` can still change a default for one command.
-        """
-        group = parser.add_argument_group("engine")
-        hints = typing.get_type_hints(cls)
-        for option in dataclasses.fields(cls):
-            metadata = option.metadata
-            flags = metadata.get("flags", ("--" + option.name.replace("_", "-"),))
-            help_text = metadata["help"]
-            if option.default is not None:
-                help_text += " (default %(default)s)"
-            kind = hints[option.name]
-            if typing.get_origin(kind) is Union:
-                (kind,) = [arg for arg in typing.get_args(kind) if arg is not type(None)]
-            if kind is bool:
-                group.add_argument(*flags, dest=option.name, default=option.default,
-                                   action=argparse.BooleanOptionalAction, help=help_text)
-            else:
-                group.add_argument(*flags, dest=option.name, default=option.default,
-                                   type=metadata.get("parse", kind),
-                                   choices=metadata.get("choices"), help=help_text)
+        ``EngineArgs.add_cli_args``, by ``add_dataclass_cli_args``); ``from_cli_args`` reads
+        them back. ``parser.set_defaults`` can still change a default for one command."""
+        add_dataclass_cli_args(parser, cls, "engine")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` in integers: the blocks of ``b`` tokens that ``a`` tokens fill."""
@@ -16,3 +18,22 @@ def check_utf8(text: str, what: str = "prompt") -> None:
     except UnicodeEncodeError as exc:
         raise ValueError(f"{what} is not valid UTF-8 text: character {exc.start} is the lone "
                          f"surrogate {text[exc.start]!r}") from None
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind ``host:port`` once and release it: a server checks its address before seconds of
+    model loading, not after.
+
+    Raises:
+        ValueError: the port is outside [0, 65535], or the address cannot be bound (in use,
+            not local, no permission).
+    """
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None

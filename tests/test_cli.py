@@ -12,6 +12,7 @@ import pytest
 
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.cli import build_parser
+from pagedllm.entrypoints.openai.cli_args import ServerArgs, parse_serve_args
 
 # Every command that takes the engine flags: (argv before the flags, positional arguments).
 COMMANDS = [["generate", "hello"], ["serve"], ["bench", "throughput"], ["bench", "memory"],
@@ -158,7 +159,7 @@ def test_serve_runs_the_torch_path_when_asked(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_NATIVE_OPS", "0")
     assert ops.native_ops_error() is None
     started = []
-    monkeypatch.setattr("pagedllm.entrypoints.openai.api_server.run_server", lambda args, kwargs: started.append(1) or 0)
+    monkeypatch.setattr("pagedllm.entrypoints.openai.api_server.run_server", lambda *args: started.append(1) or 0)
     assert cli.main(["serve", "--port", "1"]) == 0 and started == [1]
 
 
@@ -196,3 +197,30 @@ def test_no_tracked_file_names_a_developer_machines_path():
             if pattern.search(line) and Path(name) != Path(__file__).relative_to(root):
                 offenders.append(f"{name}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_serve_flags_are_parsed_into_server_args():
+    """Every ``ServerArgs`` field is a ``pagedllm serve`` flag with its help, and no flags give
+    the dataclass defaults."""
+    actions = {action.dest: action for action in subparser(["serve"])._actions}
+    for field in dataclasses.fields(ServerArgs):
+        assert "--" + field.name.replace("_", "-") in actions[field.name].option_strings
+        assert actions[field.name].help.startswith(field.metadata["help"])
+    assert parse_serve_args(build_parser().parse_args(["serve"])) == (ServerArgs(), EngineArgs())
+    server_args, _ = parse_serve_args(build_parser().parse_args([
+        "serve", "--served-model-name", "a", "b", "--disable-dashboard", "--router", "pow2", "--replicas", "2",
+        "--max-queue-wait", "1.5"]))
+    assert server_args == ServerArgs(served_model_name=["a", "b"], disable_dashboard=True, router="pow2", replicas=2,
+                                     max_queue_wait=1.5)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--drain-timeout", "-1"], "drain_timeout must be >= 0 seconds, got -1.0"),
+    (["--max-queue-wait", "0"], "max_queue_wait must be > 0 seconds, got 0.0"),
+    (["--max-request-body-bytes", "0"], "max_request_body_bytes must be >= 1, got 0"),
+    (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "m=/x", "--served-model-name", "m"], r"\['m'\] are also base model names"),
+    (["--enable-lora", "--lora-modules", "a=/x", "--replicas", "2"], "not served by Ray Serve replicas")])
+def test_server_args_verify_names_the_option_and_value(flags, message):
+    with pytest.raises(ValueError, match=message):
+        parse_serve_args(build_parser().parse_args(["serve", *flags]))

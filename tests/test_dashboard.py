@@ -51,7 +51,7 @@ SCREENSHOT = REPO_ROOT / "docs" / "dashboard.png"
 
 
 def slow_tiny_chat_engine(engine_args):
-    """The server's ``--engine-factory``: the tiny chat engine, each step ``STEP_SECONDS`` long."""
+    """The server's engine factory: the tiny chat engine, each step ``STEP_SECONDS`` long."""
     return slowed(tiny_chat_engine(engine_args), STEP_SECONDS)
 
 
@@ -125,10 +125,11 @@ def counts_by_state(kv: dict) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     process = ServerProcess(
-        "--engine-factory", "tests.test_dashboard:slow_tiny_chat_engine", "--served-model-name", "tiny",
+        "--served-model-name", "tiny",
         "--api-key", API_KEY, "--dtype", "float32", "--max-model-len", "512", "--block-size", str(BLOCK_SIZE),
         "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "6", "--max-num-batched-tokens", "512",
-        log_path=tmp_path_factory.mktemp("dashboard") / "server.log")
+        log_path=tmp_path_factory.mktemp("dashboard") / "server.log",
+        engine_factory="tests.test_dashboard:slow_tiny_chat_engine")
     try:
         process.wait_ready()
     except BaseException:

@@ -22,6 +22,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.kv_snapshot import BLOCK_STATES, CACHED_FREE, FREE, IN_USE, SHARED, KVCacheSnapshot
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.cli_args import ServerArgs
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import make_tiny_engine, run_to_completion
 from tests.test_server import MODEL, InThreadServer, failing_at_step, smollm2_tokenizer, tiny_chat_engine
@@ -224,7 +225,8 @@ def test_disable_dashboard_removes_the_routes(chat_engine_args):
     async_engine = AsyncLLMEngine(tiny_chat_engine(chat_engine_args))
     async_engine.start()
     try:
-        with TestClient(build_app(async_engine, [MODEL], enable_dashboard=False)) as client:
+        with TestClient(build_app(async_engine, ServerArgs(served_model_name=[MODEL], disable_dashboard=True))) \
+                as client:
             for path in ("/debug/kv", "/debug/kv/stream", "/dashboard"):
                 response = client.get(path)
                 assert response.status_code == 404 and "no such endpoint" in response.json()["error"]["message"]

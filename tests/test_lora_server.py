@@ -14,14 +14,14 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.stats import SchedulerStats
 from pagedllm.entrypoints.openai.api_keys import APIKey, parse_api_keys
-from pagedllm.entrypoints.openai.serving_models import parse_lora_modules
+from pagedllm.entrypoints.openai.cli_args import ServerArgs, parse_lora_modules
 from pagedllm.lora import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.models.loader import build_model
 from tests.conftest import tiny_state_dict
 from tests.lora_adapters import adapters_and_references, make_adapter
 from tests.test_lora import hf_tiny_model
-from tests.test_server import MODEL, InThreadServer, scrape, smollm2_tokenizer, tiny_chat_config
+from tests.test_server import MODEL, InThreadServer, scrape, smollm2_tokenizer, tiny_chat_config, tiny_chat_engine
 
 pytest.importorskip("peft", reason="peft (the test extra) makes the adapters and the reference")
 
@@ -49,9 +49,10 @@ def lora_server(paths, api_keys=(), **engine_options) -> InThreadServer:
     options = dict(block_size=16, num_gpu_blocks_override=64, max_model_len=512, max_num_seqs=8,
                    max_num_batched_tokens=256, enable_lora=True, max_loras=2, max_lora_rank=16) | engine_options
     engine = LLMEngine(EngineArgs.from_kwargs(**options), model=model, tokenizer=smollm2_tokenizer())
-    lora_requests = [LoRARequest("a0", 1, str(paths[0]))]
-    engine.add_lora(lora_requests[0])
-    return InThreadServer(engine, app_kwargs=dict(lora_requests=lora_requests, allow_runtime_lora_updating=True,
+    lora_modules = [f"a0={paths[0]}"]
+    for lora_request in ServerArgs(lora_modules=lora_modules).lora_requests():  # as the server's ids
+        engine.add_lora(lora_request)
+    return InThreadServer(engine, app_kwargs=dict(lora_modules=lora_modules, allow_runtime_lora_updating=True,
                                                   api_keys=list(api_keys)))
 
 
@@ -149,10 +150,10 @@ def test_lora_modules_option(adapters):
 
     paths, _, dora = adapters
     args = EngineArgs.from_kwargs(enable_lora=True, max_loras=2, num_gpu_blocks_override=16, max_model_len=64)
-    engine = build_engine(args, "tests.test_server:tiny_chat_engine", [LoRARequest("a0", 1, str(paths[0]))])
+    engine = build_engine(args, tiny_chat_engine, [LoRARequest("a0", 1, str(paths[0]))])
     assert engine.list_loras() == {1}
     with pytest.raises(ValueError, match="DoRA"):
-        build_engine(args, "tests.test_server:tiny_chat_engine", [LoRARequest("d", 1, str(dora))])
+        build_engine(args, tiny_chat_engine, [LoRARequest("d", 1, str(dora))])
     assert parse_lora_modules(["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}']) == [
         ("a", "/x"), ("b", "/y")]
     for bad, match in [(["a"], "name=path"), (["a=/x", "a=/y"], "given twice"), (["{"], "not valid JSON")]:

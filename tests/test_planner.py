@@ -368,10 +368,10 @@ def test_serve_request_log_flag_writes_the_trace(tmp_path):
     from tests.test_server import ServerProcess
 
     log = tmp_path / "requests.jsonl"
-    server = ServerProcess("--engine-factory", "tests.test_server:tiny_chat_engine", "--served-model-name", "x",
-                           "--dtype", "float32",
+    server = ServerProcess("--served-model-name", "x", "--dtype", "float32",
                            "--max-model-len", "256", "--kv-cache-memory-bytes", str(4 * 2**20),
-                           "--request-log", str(log), log_path=tmp_path / "server.log")
+                           "--request-log", str(log), log_path=tmp_path / "server.log",
+                           engine_factory="tests.test_server:tiny_chat_engine")
     try:
         server.wait_ready()
         for prompt, max_tokens in (([11, 12, 13, 14, 15], 6), ([21, 22], 3)):

@@ -28,6 +28,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from pagedllm.engine.async_engine import EngineDrainingError, QueueFullError
 from pagedllm.engine.stats import ModelInfo
 from pagedllm.entrypoints.cli import build_parser
+from pagedllm.entrypoints.openai.cli_args import parse_serve_args
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, to_openai_error
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.serve_ray.app import app_builder
@@ -44,7 +45,7 @@ STEP_SECONDS = 0.01  # each replica step sleeps this long, so that requests stay
 
 
 def slow_tiny_chat_engine(engine_args):
-    """The replicas' ``--engine-factory``: the server tests' tiny chat engine, each step at
+    """The replicas' engine factory: the server tests' tiny chat engine, each step at
     least ``STEP_SECONDS``."""
     return slowed(tiny_chat_engine(engine_args), STEP_SECONDS)
 
@@ -57,9 +58,9 @@ def ray_server(tmp_path_factory):
     os.environ["PAGEDLLM_API_KEYS"] = json.dumps(keys)  # read by the child at start only
     try:
         process = ServerProcess(
-            "--replicas", "2", "--engine-factory", "tests.test_ray_serve:slow_tiny_chat_engine",
-            "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "4096",
-            "--kv-cache-memory-bytes", str(16 * 2**20), "--max-num-seqs", "16", log_path=log_path)
+            "--replicas", "2", "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "4096",
+            "--kv-cache-memory-bytes", str(16 * 2**20), "--max-num-seqs", "16", log_path=log_path,
+            engine_factory="tests.test_ray_serve:slow_tiny_chat_engine")
     finally:
         del os.environ["PAGEDLLM_API_KEYS"]
     try:
@@ -446,19 +447,21 @@ def test_overload_503_only_when_every_replica_is_overloaded():
 
 
 def test_replica_plan_threads_and_autoscaling_options():
-    parse = lambda *argv: build_parser().parse_args(["serve", *argv])  # noqa: E731
-    plan = ReplicaPlan.from_args(parse("--replicas", "2"), cores=2)
+    def plan_of(*argv: str, cores: int) -> ReplicaPlan:
+        server_args, engine_args = parse_serve_args(build_parser().parse_args(["serve", *argv]))
+        return ReplicaPlan.from_args(server_args, engine_args.max_num_seqs, cores)
+
+    plan = plan_of("--replicas", "2", cores=2)
     assert (plan.min_replicas, plan.max_replicas, plan.threads, plan.target_ongoing_requests) == (2, 2, 1, None)
-    plan = ReplicaPlan.from_args(parse("--replicas", "1", "--max-replicas", "4", "--max-num-seqs", "8"), cores=16)
+    plan = plan_of("--replicas", "1", "--max-replicas", "4", "--max-num-seqs", "8", cores=16)
     assert (plan.min_replicas, plan.max_replicas, plan.threads, plan.target_ongoing_requests) == (1, 4, 4, 8)
-    assert ReplicaPlan.from_args(parse("--replicas", "3"), cores=2).threads == 1
+    assert plan_of("--replicas", "3", cores=2).threads == 1
     with pytest.raises(ValueError, match="--max-replicas must be >= --replicas"):
-        ReplicaPlan.from_args(parse("--replicas", "3", "--max-replicas", "2"), cores=2)
+        plan_of("--replicas", "3", "--max-replicas", "2", cores=2)
     with pytest.raises(ValueError, match="--replicas must be >= 1"):
-        ReplicaPlan.from_args(parse("--replicas", "0"), cores=2)
+        plan_of("--replicas", "0", cores=2)
     # `serve run pagedllm.serve_ray.app:app_builder key=value ...` parses the same options.
-    app = app_builder({"replicas": "1", "max-replicas": "3", "max_num_seqs": "8", "threads-per-replica": "1",
-                       "engine-factory": "tests.test_ray_serve:slow_tiny_chat_engine"})
+    app = app_builder({"replicas": "1", "max-replicas": "3", "max_num_seqs": "8", "threads-per-replica": "1"})
     engine = app._bound_deployment.init_args[0]._bound_deployment
     autoscaling = engine._deployment_config.autoscaling_config
     assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.target_ongoing_requests) == (1, 3, 8)

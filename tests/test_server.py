@@ -35,7 +35,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.api_keys import DEFAULT_KEY_NAME, APIKey
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.cli_args import ServerArgs
 from pagedllm.metrics import EngineMetrics
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import run_to_completion, tiny_config, tiny_state_dict
@@ -86,7 +88,7 @@ def tiny_chat_config():
 
 def tiny_chat_engine(engine_args: EngineArgs) -> LLMEngine:
     """A tiny random llama with SmolLM2's vocabulary, tokenizer and chat template (the server
-    test's ``--engine-factory``)."""
+    tests' engine factory: ``ServerProcess(engine_factory=...)``)."""
     from pagedllm.models.loader import build_model
     config = tiny_chat_config()
     model = build_model(config, tiny_state_dict(config), torch.float32)
@@ -112,17 +114,21 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``pagedllm serve ...`` in a child process on a free loopback port."""
+    """``pagedllm serve ...`` in a child process on a free loopback port; with
+    ``engine_factory`` (``module:function``), over the engines it builds
+    (``tests/serve_launcher.py``)."""
 
-    def __init__(self, *args: str, log_path: Path) -> None:
+    def __init__(self, *args: str, log_path: Path, engine_factory: Optional[str] = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
         self.log = open(log_path, "w")
+        command = ["-m", "pagedllm.entrypoints.cli", "serve"] if engine_factory is None else \
+            ["-m", "tests.serve_launcher", engine_factory]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(self.port), *args],
+            [sys.executable, *command, "--port", str(self.port), *args],
             cwd=REPO_ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self) -> "ServerProcess":
@@ -153,7 +159,11 @@ class ServerProcess:
 
 class InThreadServer:
     """uvicorn serving ``build_app`` over an ``AsyncLLMEngine`` in a thread of this process
-    (for configurations and failure injection that need the engine at hand)."""
+    (for configurations and failure injection that need the engine at hand).
+
+    ``app_kwargs`` are ``ServerArgs`` fields, and ``build_app``'s ``api_keys`` and ``clock``;
+    the keys are ``api_key`` (named ``default``) and ``api_keys`` only, never the environment's.
+    """
 
     def __init__(self, engine: LLMEngine, served_model_name: str = MODEL, api_key: Optional[str] = None,
                  app_kwargs: Optional[dict] = None, **async_engine_kwargs) -> None:
@@ -161,7 +171,11 @@ class InThreadServer:
                                      engine.args.max_num_batched_tokens, model_info=engine.get_model_info())
         self.engine = AsyncLLMEngine(engine, self.metrics, **async_engine_kwargs)
         self.engine.start()
-        app = build_app(self.engine, [served_model_name], api_key, **(app_kwargs or {}))
+        server_options = dict(app_kwargs or {})
+        api_keys = list(server_options.pop("api_keys", [])) + ([APIKey(DEFAULT_KEY_NAME, api_key)] if api_key else [])
+        clock = server_options.pop("clock", time.monotonic)
+        app = build_app(self.engine, ServerArgs(served_model_name=[served_model_name], **server_options), api_keys,
+                        clock=clock)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -277,9 +291,10 @@ def chat_prompt(messages: list[dict]) -> dict:
 def server_and_reference(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     process = ServerProcess(
-        "--engine-factory", "tests.test_server:tiny_chat_engine", "--served-model-name", MODEL, "other-name",
+        "--served-model-name", MODEL, "other-name",
         "--api-key", API_KEY, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-        "--kv-cache-memory-bytes", str(16 * 2**20), "--max-num-seqs", "64", log_path=log_path)
+        "--kv-cache-memory-bytes", str(16 * 2**20), "--max-num-seqs", "64", log_path=log_path,
+        engine_factory="tests.test_server:tiny_chat_engine")
     try:
         reference = reference_engine()  # built while the server boots
         process.wait_ready()
@@ -610,7 +625,7 @@ def test_b11_bad_max_tokens_is_400_naming_the_field(server, max_tokens):
 
 
 def test_port_in_use_is_refused_before_loading_the_model():
-    from pagedllm.entrypoints.openai.api_server import check_port_free
+    from pagedllm.utils import check_port_free
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -719,6 +734,6 @@ def test_stop_string_over_http_stream_and_not(client, reference):
 def test_port_out_of_range_is_a_clear_error_before_loading(port):
     """Found by the fresh-user check: --port 99999 loaded the model, then died in uvicorn
     with an OverflowError traceback."""
-    from pagedllm.entrypoints.openai.api_server import check_port_free
+    from pagedllm.utils import check_port_free
     with pytest.raises(ValueError, match=rf"--port must be in \[0, 65535\], got {port}"):
         check_port_free("127.0.0.1", port)

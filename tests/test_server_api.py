@@ -22,6 +22,7 @@ import pytest
 
 from pagedllm.entrypoints.openai.api_keys import APIKey, format_reset, parse_api_keys
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.cli_args import ServerArgs
 from tests.conftest import make_tiny_engine
 from tests.test_server import InThreadServer, MODEL, scrape, slowed, sse_events, wait_for_metrics
 
@@ -512,4 +513,4 @@ def test_a_body_over_the_limit_is_a_413_and_the_server_serves_on():
         assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 2
         assert len(small.request.content) <= 1000
     with pytest.raises(ValueError, match="max_request_body_bytes must be >= 1, got 0"):
-        build_app(None, [MODEL], max_request_body_bytes=0)
+        build_app(None, ServerArgs(served_model_name=[MODEL], max_request_body_bytes=0))

@@ -21,6 +21,7 @@ from starlette.testclient import TestClient
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.cli_args import ServerArgs
 from pagedllm.metrics import EngineMetrics
 from tests.test_server import MODEL, smollm2_tokenizer, tiny_chat_engine
 
@@ -42,7 +43,7 @@ def fuzzed_engine():
 
 @pytest.fixture(scope="module")
 def app(fuzzed_engine):
-    return build_app(fuzzed_engine, [MODEL])
+    return build_app(fuzzed_engine, ServerArgs(served_model_name=[MODEL]))
 
 
 def assert_openai_error_body(body: object, status: int) -> None:

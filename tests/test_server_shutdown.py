@@ -21,7 +21,7 @@ STEP_SECONDS = 0.05
 
 def slow_tiny_engine(engine_args: EngineArgs) -> LLMEngine:
     """conftest's tiny llama (no tokenizer), each step made to last ``STEP_SECONDS`` so that a
-    long request outlives the drain timeout (the ``--engine-factory`` of this test)."""
+    long request outlives the drain timeout (the engine factory of this test)."""
     import torch
     return slowed(LLMEngine(engine_args, model=_tiny_model(torch.float32, 0), tokenizer=None),
                   STEP_SECONDS)
@@ -32,9 +32,9 @@ def serve_slow_tiny(tmp_path, *args: str) -> ServerProcess:
     child inherits an ignored SIGINT, and an earlier test may have left this process so."""
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        server = ServerProcess("--engine-factory", "tests.test_server_shutdown:slow_tiny_engine",
-                               "--max-model-len", "256", "--block-size", "4",
-                               "--kv-cache-memory-bytes", str(2**20), *args, log_path=tmp_path / "server.log")
+        server = ServerProcess("--max-model-len", "256", "--block-size", "4",
+                               "--kv-cache-memory-bytes", str(2**20), *args, log_path=tmp_path / "server.log",
+                               engine_factory="tests.test_server_shutdown:slow_tiny_engine")
     finally:
         signal.signal(signal.SIGINT, handler)
     return server.wait_ready()
@@ -122,10 +122,10 @@ def test_sigterm_drains_then_exits_0(tmp_path):
     keys_file = tmp_path / "keys.json"
     keys_file.write_text(json.dumps([{"name": "drainer", "key": "sk-drain-secret", "requests_per_minute": 100}]))
     headers = {"Authorization": "Bearer sk-drain-secret"}
-    server = ServerProcess("--engine-factory", "tests.test_server_shutdown:slow_tiny_engine",
-                           "--drain-timeout", "3", "--max-model-len", "128", "--block-size", "4",
+    server = ServerProcess("--drain-timeout", "3", "--max-model-len", "128", "--block-size", "4",
                            "--api-keys-file", str(keys_file),
-                           "--kv-cache-memory-bytes", str(2**20), log_path=tmp_path / "server.log").wait_ready()
+                           "--kv-cache-memory-bytes", str(2**20), log_path=tmp_path / "server.log",
+                           engine_factory="tests.test_server_shutdown:slow_tiny_engine").wait_ready()
     results: dict[str, object] = {}
 
     def stream(name: str, max_tokens: int) -> None:

@@ -6,9 +6,10 @@ import argparse
 import dataclasses
 import logging
 import sys
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from pagedllm.config import DEFAULT_MAX_REQUEST_BODY_BYTES, EngineArgs
+from pagedllm.config import EngineArgs
+from pagedllm.entrypoints.openai.cli_args import add_serve_args, parse_serve_args
 
 
 def add_engine_args(parser: argparse.ArgumentParser, log_level: str = "WARNING") -> None:
@@ -83,8 +84,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return plan.main(args)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace, engine_factory: Optional[Callable[[EngineArgs], Any]] = None) -> int:
     """Serve the OpenAI API (one engine, or Ray Serve replicas).
+
+    Args:
+        engine_factory: builds each engine from its ``EngineArgs`` (default ``LLMEngine``;
+            tests serve tiny random models through it, ``tests/serve_launcher.py``).
 
     Raises:
         ValueError: a bad option, or the C++ ops cannot be loaded: a server never runs the
@@ -98,60 +103,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "slow torch path by itself; set PAGEDLLM_NATIVE_OPS=0 to serve with it anyway")
     if args.model_tag is not None:
         args.model = args.model_tag
-    if args.replicas is not None or args.max_replicas is not None:
+    server_args, engine_args = parse_serve_args(args)
+    if server_args.replicas is not None or server_args.max_replicas is not None:
         try:
             from pagedllm.serve_ray.app import run_replicas
         except ImportError as exc:
             raise ValueError(f"--replicas needs Ray Serve: pip install -e '.[ray]' ({exc})") from None
-        return run_replicas(args)
+        return run_replicas(server_args, engine_args, engine_factory)
     from pagedllm.entrypoints.openai.api_server import run_server
 
-    return run_server(args, dataclasses.asdict(EngineArgs.from_cli_args(args)))
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """Options of ``pagedllm serve`` (vLLM's names where vLLM has the option)."""
-    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="the model (same as --model)")
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    group.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on the API (default: $PAGEDLLM_API_KEY)")
-    group.add_argument("--api-keys-file", default=None, metavar="PATH",
-                       help="JSON list of keys with names and limits: name, key, requests_per_minute, "
-                            "tokens_per_minute, max_concurrent_requests, priority (default: the same JSON "
-                            "in $PAGEDLLM_API_KEYS; see docs/serving.md)")
-    group.add_argument("--served-model-name", nargs="+", default=None,
-                       help="model name(s) clients use; the first is reported (default: the model path)")
-    group.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="answer 429 when this many sequences wait already (default: no limit)")
-    group.add_argument("--request-timeout", type=float, default=None,
-                       help="abort requests running longer than this many seconds (default: never)")
-    group.add_argument("--max-queue-wait", type=float, default=None, metavar="SECONDS",
-                       help="answer 503 at once when a new request's estimated wait to start exceeds this "
-                            "(or --request-timeout) (default: only --request-timeout)")
-    group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
-                       help="refuse a larger request body with 413 before reading the rest "
-                            f"(default {DEFAULT_MAX_REQUEST_BODY_BYTES})")
-    group.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="on SIGTERM, seconds open requests may still run (default 30)")
-    group.add_argument("--disable-dashboard", action="store_true",
-                       help="do not serve the live KV block-pool view (/dashboard, /debug/kv, /debug/kv/stream)")
-    group.add_argument("--request-log", default=None, metavar="PATH",
-                       help="append one JSON line per finished request (arrival, prompt and output token "
-                            "counts, cached-prefix hash): a trace for `pagedllm plan --trace`")
-    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                       help="LoRA adapters (PEFT folders) to load at start, each served as the model NAME "
-                            "(needs --enable-lora; vLLM's JSON form {\"name\": ..., \"path\": ...} works too)")
-    group.add_argument("--allow-runtime-lora-updating", action="store_true",
-                       help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
-                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING): clients then make the server read adapter "
-                            "folders by path")
-    # Tests serve engines over tiny random models: module:function(EngineArgs) -> LLMEngine.
-    group.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)
-    from pagedllm.serve_ray.options import add_ray_args
-    add_ray_args(parser)
+    return run_server(server_args, engine_args, engine_factory)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model (same as --model)")
     add_serve_args(serve)
-    add_engine_args(serve, log_level="INFO")
+    serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")

@@ -6,8 +6,9 @@ for ``serve run`` / ``serve build`` on a cluster.
                                  ▼
                  EngineReplica × N (each: AsyncLLMEngine, its KV and prefix cache, T threads)
 
-Both entry points parse the same options, ``pagedllm serve``'s parser, so every engine and
-server flag means the same thing in both: ``serve run pagedllm.serve_ray.app:app_builder
+Both entry points take the same options, ``ServerArgs`` and ``EngineArgs`` (``app_builder``
+parses them with ``pagedllm serve``'s flags), so every engine and server flag means the same
+thing in both: ``serve run pagedllm.serve_ray.app:app_builder
 model=... replicas=2 max-num-seqs=32`` passes ``--model ... --replicas 2 --max-num-seqs 32``.
 
 Threads: each replica runs ``--threads-per-replica`` torch threads (default: this machine's
@@ -23,51 +24,49 @@ waiting in its engine): a queue that grows adds replicas, an idle one drains bac
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
 import threading
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pagedllm.config import EngineArgs
+from pagedllm.entrypoints.openai.cli_args import ServerArgs, add_serve_args, parse_serve_args
 from pagedllm.serve_ray.options import APP_NAME, ENGINE_DEPLOYMENT, ROUTER_CLASS, ReplicaPlan
+from pagedllm.utils import check_port_free
 
 logger = logging.getLogger(__name__)
 
 
-def build_application(args: argparse.Namespace, cores: Optional[int] = None) -> Any:
+def build_application(server_args: ServerArgs, engine_args: EngineArgs, cores: Optional[int] = None,
+                      engine_factory: Optional[Callable[[EngineArgs], Any]] = None) -> Any:
     """The Serve application (ingress bound to the engine deployment) for ``pagedllm serve``'s
-    parsed ``args``.
+    options.
 
     Args:
         cores: CPUs to share among replicas (default: this process's CPU affinity).
+        engine_factory: builds each replica's engine from ``engine_args`` (default
+            ``LLMEngine``; tests serve tiny random models through it). Ray pickles it to the
+            replicas: a module-level function.
 
     Raises:
-        ValueError: bad options (``ReplicaPlan``, ``EngineArgs``, the keys file).
+        ValueError: bad options (``ServerArgs.verify``, ``ReplicaPlan``, the keys file).
     """
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from pagedllm.entrypoints.openai.api_server import server_api_keys
-    from pagedllm.models.loader import DEFAULT_MODEL_FILE
     from pagedllm.serve_ray.ingress import OpenAIIngress
     from pagedllm.serve_ray.replica import EngineReplica
 
+    server_args.verify(engine_args)
     cores = cores or len(os.sched_getaffinity(0))
-    plan = ReplicaPlan.from_args(args, cores)
-    engine_args = EngineArgs.from_cli_args(args)
-    api_key, api_keys = server_api_keys(args)
-    if args.max_queue_wait is not None and not args.max_queue_wait > 0:
-        raise ValueError(f"--max-queue-wait must be > 0 seconds, got {args.max_queue_wait}")
-    if args.max_request_body_bytes < 1:
-        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
-    names = args.served_model_name or [args.model or Path(DEFAULT_MODEL_FILE).stem]
-    router_config = RequestRouterConfig(request_routing_stats_period_s=args.routing_stats_period)
-    if args.router == "prefix":
+    plan = ReplicaPlan.from_args(server_args, engine_args.max_num_seqs, cores)
+    api_keys = server_args.load_api_keys()  # here: the file and the variables are this machine's
+    names = server_args.served_model_names(engine_args.model)
+    router_config = RequestRouterConfig(request_routing_stats_period_s=server_args.routing_stats_period)
+    if server_args.router == "prefix":
         router_config = RequestRouterConfig(request_router_class=ROUTER_CLASS,
-                                            request_routing_stats_period_s=args.routing_stats_period)
+                                            request_routing_stats_period_s=server_args.routing_stats_period)
     options: dict[str, Any] = dict(
         # OMP_NUM_THREADS as well as torch.set_num_threads: OpenMP reads it when the worker
         # process starts, so every thread of the replica (the engine thread too) gets the count.
@@ -75,7 +74,7 @@ def build_application(args: argparse.Namespace, cores: Optional[int] = None) -> 
             "env_vars": {"OMP_NUM_THREADS": str(plan.threads)}}},
         # Requests beyond a full batch wait in the engine's own queue (its 429 limit applies).
         max_ongoing_requests=2 * engine_args.max_num_seqs, request_router_config=router_config,
-        graceful_shutdown_timeout_s=args.drain_timeout, health_check_period_s=2.0)
+        graceful_shutdown_timeout_s=server_args.drain_timeout, health_check_period_s=2.0)
     if plan.target_ongoing_requests is None:
         options["num_replicas"] = plan.min_replicas
     else:
@@ -85,13 +84,13 @@ def build_application(args: argparse.Namespace, cores: Optional[int] = None) -> 
             "upscale_delay_s": 2.0, "downscale_delay_s": 20.0, "metrics_interval_s": 1.0,
             "look_back_period_s": 5.0}
     engine = serve.deployment(EngineReplica).options(**options).bind(
-        dataclasses.asdict(engine_args), names[0], plan.threads, args.engine_factory,
-        args.max_waiting_requests, args.request_timeout)
+        engine_args, names[0], plan.threads, engine_factory, server_args.max_waiting_requests,
+        server_args.request_timeout)
     ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=10_000)
-    return ingress.bind(engine, names, APP_NAME, ENGINE_DEPLOYMENT, api_key, api_keys, args.max_queue_wait,
-                        args.request_timeout, str(args.model or DEFAULT_MODEL_FILE), args.max_request_body_bytes)
+    return ingress.bind(engine, server_args, api_keys, APP_NAME, ENGINE_DEPLOYMENT,
+                        ServerArgs.model_root(engine_args.model))
 
 
 def app_builder(args: dict[str, str]) -> Any:
@@ -99,26 +98,24 @@ def app_builder(args: dict[str, str]) -> Any:
     ``pagedllm serve``'s ``--key value`` (``true`` for a flag), ``model=`` the model.
 
     Raises:
-        ValueError: an unknown option or a bad value (argparse's message).
+        ValueError: an unknown option or a bad value (argparse's message, or the options').
     """
-    from pagedllm.entrypoints.cli import build_parser
-
-    argv = ["serve"]
+    argv = []
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
         if str(value).lower() == "true":
             argv.append(flag)
         else:
             argv += [flag, str(value)]
-    parser = build_parser()
-    parser.exit_on_error = False
+    parser = argparse.ArgumentParser(prog="app_builder", exit_on_error=False)
+    add_serve_args(parser)
     try:
         parsed = parser.parse_args(argv)
     except (argparse.ArgumentError, SystemExit) as exc:
         raise ValueError(f"bad app_builder arguments {args}: {exc}") from None
     if parsed.replicas is None:
         parsed.replicas = 1
-    return build_application(parsed)
+    return build_application(*parse_serve_args(parsed))
 
 
 def _drain(timeout: float) -> None:
@@ -136,7 +133,8 @@ def _drain(timeout: float) -> None:
         logger.warning("%d request(s) still open after the %g s drain timeout are ended", left, timeout)
 
 
-def run_replicas(args: argparse.Namespace) -> int:
+def run_replicas(server_args: ServerArgs, engine_args: EngineArgs,
+                 engine_factory: Optional[Callable[[EngineArgs], Any]] = None) -> int:
     """``pagedllm serve --replicas N``: start Ray (local, unless ``--ray-address``), serve the
     application on ``--host:--port`` until SIGTERM/SIGINT, then drain (new requests 503, open
     ones get ``--drain-timeout`` seconds to finish), shut Serve down and return 0.
@@ -147,25 +145,23 @@ def run_replicas(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from pagedllm.entrypoints.openai.api_server import check_port_free
-
     cores = len(os.sched_getaffinity(0))
-    application = build_application(args, cores)  # options are checked before Ray starts
-    check_port_free(args.host, args.port)
-    if args.ray_address:
-        ray.init(address=args.ray_address, log_to_driver=False)
+    application = build_application(server_args, engine_args, cores, engine_factory)  # before Ray starts
+    check_port_free(server_args.host, server_args.port)
+    if server_args.ray_address:
+        ray.init(address=server_args.ray_address, log_to_driver=False)
     else:
         ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": server_args.host, "port": server_args.port})
         serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
-        logger.info("serving %s replica(s) of %s on http://%s:%d", args.replicas,
-                       args.served_model_name or args.model or "the default model", args.host, args.port)
+        logger.info("serving %s replica(s) of %s on http://%s:%d", server_args.replicas,
+                    server_args.served_model_names(engine_args.model)[0], server_args.host, server_args.port)
         stop.wait()
-        _drain(args.drain_timeout)
+        _drain(server_args.drain_timeout)
     finally:
         serve.shutdown()
         ray.shutdown()

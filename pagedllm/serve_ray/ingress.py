@@ -12,14 +12,15 @@ limits to hold exactly as on one server.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional, Sequence
 
 from ray import serve
 
-from pagedllm.config import DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagedllm.entrypoints.openai.api_keys import APIKey
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.cli_args import ServerArgs
 from pagedllm.serve_ray.engine_client import RayEngineClient
 
 logger = logging.getLogger(__name__)
@@ -29,25 +30,23 @@ logger = logging.getLogger(__name__)
 class OpenAIIngress:
     """Args:
         engine: handle of the ``EngineReplica`` deployment.
-        served_model_names: names clients may put in ``model``.
+        server_args: the server's options (``build_app``'s; the dashboard is off: the
+            replicas' block pools are not at hand; ``request_timeout`` is the replicas', which
+            overload protection reads).
+        api_keys: every key, loaded where the application was built.
         app_name, engine_deployment: where the replicas are (their reports).
-        api_key, api_keys, max_queue_wait, model_root, max_request_body_bytes: as ``build_app``.
-        request_timeout: the replicas' request timeout (overload protection reads it).
+        model_root: as ``build_app``.
     """
 
-    async def __init__(self, engine: Any, served_model_names: Sequence[str], app_name: str,
-                       engine_deployment: str, api_key: Optional[str] = None,
-                       api_keys: Sequence[APIKey] = (), max_queue_wait: Optional[float] = None,
-                       request_timeout: Optional[float] = None, model_root: Optional[str] = None,
-                       max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> None:
+    async def __init__(self, engine: Any, server_args: ServerArgs, api_keys: Sequence[APIKey], app_name: str,
+                       engine_deployment: str, model_root: Optional[str] = None) -> None:
         model_info = await engine.model_info.remote()
-        self.client = RayEngineClient(engine, model_info, served_model_names[0], app_name, engine_deployment,
-                                      request_timeout=request_timeout)
+        self.server_args = dataclasses.replace(server_args, disable_dashboard=True)
+        self.api_keys = list(api_keys)
+        self.model_root = model_root
+        self.client = RayEngineClient(engine, model_info, self.server_args.served_model_names(model_info.model)[0],
+                                      app_name, engine_deployment, request_timeout=server_args.request_timeout)
         self.client.start()
-        self._app_kwargs = dict(served_model_names=list(served_model_names), api_key=api_key,
-                                api_keys=list(api_keys), max_queue_wait=max_queue_wait,
-                                model_root=model_root, enable_dashboard=False,
-                                max_request_body_bytes=max_request_body_bytes)
 
     async def drain(self, timeout: float) -> int:
         """``RayEngineClient.drain``: called by ``pagedllm serve --replicas`` on SIGTERM/SIGINT
@@ -55,7 +54,7 @@ class OpenAIIngress:
         return await self.client.drain(timeout)
 
     def __serve_build_asgi_app__(self):
-        return build_app(self.client, **self._app_kwargs)
+        return build_app(self.client, self.server_args, self.api_keys, model_root=self.model_root)
 
     def __del__(self) -> None:
         client = getattr(self, "client", None)

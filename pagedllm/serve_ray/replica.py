@@ -20,13 +20,14 @@ import logging
 import os
 import time
 from dataclasses import replace
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import torch
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.stats import ModelInfo
 from pagedllm.metrics import EngineMetrics
 from pagedllm.sampling_params import SamplingParams
@@ -42,11 +43,12 @@ class EngineReplica:
     """A Serve replica serving one engine.
 
     Args:
-        engine_kwargs: ``EngineArgs`` fields (``EngineArgs.from_kwargs``).
+        engine_args: the engine's options.
         served_model_name: the ``model_name`` label of its metrics.
         num_threads: torch threads of this replica (``cores // replicas`` so that replicas on
             one machine do not oversubscribe it).
-        engine_factory: ``module:function(EngineArgs) -> LLMEngine`` (tests' tiny models), or None.
+        engine_factory: builds the engine from ``engine_args`` (default ``LLMEngine``; tests
+            serve tiny random models through it).
         max_waiting_requests: as ``AsyncLLMEngine`` (429 beyond it).
         request_timeout: as ``AsyncLLMEngine`` (504 beyond it).
 
@@ -54,18 +56,16 @@ class EngineReplica:
         ValueError: ``num_threads`` < 1, or bad engine options.
     """
 
-    def __init__(self, engine_kwargs: dict, served_model_name: str, num_threads: int,
-                 engine_factory: Optional[str] = None, max_waiting_requests: Optional[int] = None,
-                 request_timeout: Optional[float] = None) -> None:
-        from pagedllm.entrypoints.openai.api_server import build_engine
-
+    def __init__(self, engine_args: EngineArgs, served_model_name: str, num_threads: int,
+                 engine_factory: Optional[Callable[[EngineArgs], LLMEngine]] = None,
+                 max_waiting_requests: Optional[int] = None, request_timeout: Optional[float] = None) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         torch.set_num_threads(num_threads)
-        engine_args = EngineArgs.from_kwargs(**engine_kwargs)
+        build_engine = engine_factory or LLMEngine
         # Built on the engine thread, the one that steps it (AsyncLLMEngine: one OpenMP team).
-        self.engine = AsyncLLMEngine(lambda: build_engine(engine_args, engine_factory), None,
-                                     max_waiting_requests, request_timeout)
+        self.engine = AsyncLLMEngine(lambda: build_engine(engine_args), None, max_waiting_requests,
+                                     request_timeout)
         self.engine.metrics = EngineMetrics(served_model_name, self.engine.model_info.max_model_len,
                                             engine_args.max_num_seqs, engine_args.max_num_batched_tokens,
                                             log_interval=None, model_info=self.engine.model_info)

@@ -38,21 +38,17 @@ The live KV view's streams end at once. A second signal ends the drain at once.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import importlib
 import json
 import logging
 import re
-import socket
 import time
 import uuid
-from http import HTTPStatus
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
@@ -60,46 +56,29 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
-from pagedllm import envs
-from pagedllm.config import DEFAULT_MAX_REQUEST_BODY_BYTES, EngineArgs
+from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.protocol import EngineClient
-from pagedllm.entrypoints.openai.api_keys import (DEFAULT_KEY_NAME, APIKey, KeyRing, RateLimiter, load_api_keys,
-                                                  parse_api_keys)
 from pagedllm.engine.request_log import RequestLog
+from pagedllm.entrypoints.openai.api_keys import DEFAULT_KEY_NAME, APIKey, KeyRing, RateLimiter
+from pagedllm.entrypoints.openai.cli_args import ServerArgs
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_type, to_openai_error
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import (OpenAIError, RequestRegistry, ServerPolicy, SSEResponse,
-                                                        client_context, to_openai_error)
-from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
+from pagedllm.entrypoints.openai.serving_engine import RequestRegistry, ServerPolicy, SSEResponse, client_context
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics import APIKeyMetrics, EngineMetrics
-from pagedllm.models.loader import DEFAULT_MODEL_FILE
+from pagedllm.utils import check_port_free
 
 logger = logging.getLogger(__name__)
 
 _PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/debug")
 _DASHBOARD_HTML = Path(__file__).with_name("dashboard.html")
 _REQUEST_ID = re.compile(r"[\x21-\x2e\x30-\x7e]{1,128}")  # printable ASCII but "/": ids are path segments
-
-# vLLM's error type names; other statuses get their phrase ("Payload Too Large" -> PayloadTooLargeError)
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-                404: "NotFoundError", 405: "MethodNotAllowedError", 422: "BadRequestError",
-                429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-def _error_type(status: int) -> str:
-    if status in _ERROR_TYPES:
-        return _ERROR_TYPES[status]
-    try:
-        phrase = HTTPStatus(status).phrase
-    except ValueError:
-        return "Error"
-    return "".join(word.capitalize() for word in phrase.replace("-", " ").split()) + "Error"
-
 
 def _short_repr(value: object, limit: int = 120) -> str:
     """``value`` as the client wrote it (JSON), cut to ``limit`` characters."""
@@ -187,7 +166,7 @@ class _ClientMiddleware:
         """
         def too_large(size: str) -> OpenAIError:
             return OpenAIError(413, f"the request body is {size} bytes, over the server's limit of "
-                                    f"{self.max_body_bytes} bytes (--max-request-body-bytes)", _error_type(413))
+                                    f"{self.max_body_bytes} bytes (--max-request-body-bytes)", error_type(413))
 
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body_bytes:
@@ -257,222 +236,157 @@ class _ClientMiddleware:
         await self.app(scope, receive, send_with_headers)
 
 
-def build_app(engine: EngineClient, served_model_names: Sequence[str], api_key: Optional[str] = None,
-              model_root: Optional[str] = None, api_keys: Sequence[APIKey] = (),
-              max_queue_wait: Optional[float] = None, clock=time.monotonic,
-              enable_dashboard: bool = True, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              lora_requests: Sequence[LoRARequest] = (), allow_runtime_lora_updating: bool = False) -> FastAPI:
-    """The FastAPI application over a started engine: an ``AsyncLLMEngine`` (``pagedllm
-    serve``), or Ray Serve replicas through a ``RayEngineClient`` (``pagedllm serve --replicas``).
+# The routes: module-level functions on routers, reading what ``build_app`` put in
+# ``app.state`` (vLLM's ``api_server.py`` does the same), so one app's objects never leak into
+# another's and each route can be read on its own.
+router = APIRouter()
+lora_router = APIRouter()  # with --allow-runtime-lora-updating
+dashboard_router = APIRouter()  # without --disable-dashboard
 
-    Args:
-        engine: the engine (its ``metrics``, if any, are served at /metrics, with the per-key
-            series added).
-        served_model_names: names clients may put in ``model``; the first is reported.
-        api_key: one bearer token without limits, named ``default`` (None: none).
-        model_root: what /v1/models reports as ``root`` (default: the first name).
-        api_keys: keys with names and limits (``api_keys.py``). With neither ``api_key`` nor
-            ``api_keys`` the API is open and every caller is ``anonymous``.
-        max_queue_wait: overload protection's limit on a new request's estimated wait,
-            seconds (None: only the engine's ``request_timeout``).
-        clock: the rate limiter's monotonic clock, seconds (tests pass a fake one).
-        enable_dashboard: serve ``/debug/kv``, ``/debug/kv/stream`` and ``/dashboard``
-            (False: those paths are 404 and the engine never takes a block-pool snapshot).
-            Only an ``AsyncLLMEngine`` has a block pool at hand.
-        max_request_body_bytes: a larger request body is refused with 413 (bytes).
-        lora_requests: LoRA adapters the engine has loaded (``--lora-modules``), served under
-            their names (``serving_models.py``).
-        allow_runtime_lora_updating: serve ``/v1/load_lora_adapter`` and
-            ``/v1/unload_lora_adapter`` (404 otherwise).
 
-    Raises:
-        ValueError: no served model name, a dashboard asked of another engine client, a key
-            name used twice, a key with a priority under the ``fcfs`` scheduling policy,
-            ``max_queue_wait`` <= 0, ``max_request_body_bytes`` < 1.
-    """
-    if not max_request_body_bytes >= 1:
-        raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes!r}")
-    if not served_model_names:
-        raise ValueError("served_model_names must hold at least one name")
-    if max_queue_wait is not None and not max_queue_wait > 0:
-        raise ValueError(f"max_queue_wait must be > 0 seconds, got {max_queue_wait!r}")
-    if enable_dashboard and not isinstance(engine, AsyncLLMEngine):
-        raise ValueError(f"the dashboard reads a local engine's block pool; {type(engine).__name__} has none: "
-                         "pass enable_dashboard=False")
-    keys = list(api_keys) + ([APIKey(DEFAULT_KEY_NAME, api_key)] if api_key else [])
-    names = [key.name for key in keys]
-    if len(set(names)) != len(names):
-        raise ValueError(f"API key names must be unique, got {names} (--api-key's key is named "
-                         f"{DEFAULT_KEY_NAME!r})")
-    model_info = engine.model_info  # the event loop reads nothing of the LLMEngine itself
-    with_priority = [key.name for key in keys if key.priority not in (None, 0)]
-    if with_priority and model_info.scheduling_policy != "priority":
-        raise ValueError(f"API keys {with_priority} set a priority, which needs --scheduling-policy priority "
-                         f"(the engine schedules {model_info.scheduling_policy!r})")
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
-    key_metrics = None
-    if engine.metrics is not None:
-        key_metrics = APIKeyMetrics(engine.metrics.registry, engine.metrics.model_name, names)
-    limiter = RateLimiter(keys, clock, key_metrics.record if key_metrics is not None else None)
-    registry = RequestRegistry()
-    policy = ServerPolicy(limiter, registry, max_queue_wait)
-    if key_metrics is not None:
-        policy.record = key_metrics.record
-    models = OpenAIServingModels(engine, served_model_names, model_root or served_model_names[0], lora_requests)
-    completions = OpenAIServingCompletion(engine, served_model_names, policy, models)
-    chat = OpenAIServingChat(engine, served_model_names, policy, models)
-    created = int(time.time())
-    app.add_middleware(_ClientMiddleware, keyring=KeyRing(keys), limiter=limiter,
-                       max_body_bytes=max_request_body_bytes)
+def engine_client(raw_request: Request) -> EngineClient:
+    """The engine the app serves (``build_app``'s ``engine``)."""
+    return raw_request.app.state.engine_client
 
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+def models(raw_request: Request) -> OpenAIServingModels:
+    """The served names and LoRA adapters, shared by the handlers."""
+    return raw_request.app.state.openai_serving_models
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        """Starlette's and FastAPI's own errors (404 path, 405 method, unparsable body) as
-        OpenAI JSON, never ``{"detail": ...}``."""
-        status = exc.status_code
-        if status == 400 and exc.detail == "There was an error parsing the body":
-            message = _body_parse_error(exc.__cause__)
-        elif status == 404:
-            message = f"no such endpoint: {request.method} {request.url.path}"
-        elif status == 405:
-            allowed = (exc.headers or {}).get("Allow")
-            message = f"method {request.method} is not allowed on {request.url.path}" + (
-                f" (allowed: {allowed})" if allowed else "")
-        else:
-            message = str(exc.detail)
-        return OpenAIError(status, message, _error_type(status), headers=exc.headers).response()
 
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return to_openai_error(exc).response()
+def completions(raw_request: Request) -> OpenAIServingCompletion:
+    """The ``/v1/completions`` handler (also tokenization for ``/tokenize``)."""
+    return raw_request.app.state.openai_serving_completion
 
-    @app.get("/health")
-    async def health() -> Response:
-        if not engine.is_healthy:
-            return OpenAIError(503, f"the engine loop is dead: {engine.dead_error!r}",
-                               "ServiceUnavailableError").response()
-        if engine.draining:
-            return OpenAIError(503, "the server is shutting down", "ServiceUnavailableError").response()
-        return Response(status_code=200)
 
-    @app.get("/livez")
-    async def livez() -> Response:
-        if not engine.is_healthy:
-            return OpenAIError(503, f"the engine loop is dead: {engine.dead_error!r}",
-                               "ServiceUnavailableError").response()
-        return JSONResponse({"status": "alive"})
+def chat(raw_request: Request) -> OpenAIServingChat:
+    """The ``/v1/chat/completions`` handler (also chat rendering for ``/tokenize``)."""
+    return raw_request.app.state.openai_serving_chat
 
-    @app.get("/readyz")
-    async def readyz() -> Response:
-        if not engine.is_healthy:
-            return OpenAIError(503, f"the engine loop is dead: {engine.dead_error!r}",
-                               "ServiceUnavailableError").response()
-        if engine.draining:
-            return OpenAIError(503, "the server is shutting down", "ServiceUnavailableError").response()
-        return JSONResponse({"status": "ready"})
 
-    @app.get("/load")
-    async def load() -> dict:
-        """The engine thread's newest snapshots (``SchedulerStats``, ``LoadStats``): the same
-        counts as the ``/metrics`` gauges. Behind Ray Serve, those of the replica a new request
-        would start soonest on, and under ``replicas`` each replica's last report (its prefix
-        keys counted, not listed)."""
-        stats, recent = engine.stats, engine.load
-        wait = recent.estimated_wait(stats, model_info.max_num_seqs)
-        reports = getattr(engine, "reports", None)
-        replicas = {} if reports is None else {"replicas": {
-            replica: {**{k: v for k, v in report.items() if k != "prefix_hashes"},
-                      "num_prefix_keys": len(report.get("prefix_hashes", ()))}
-            for replica, report in reports.items()}}
-        return {**replicas, "running": stats.num_running_reqs, "waiting": stats.num_waiting_reqs,
-                "kv_cache_usage": stats.kv_cache_usage, "num_blocks": stats.num_blocks,
-                "num_used_blocks": stats.num_used_blocks, "max_num_seqs": model_info.max_num_seqs,
-                "step_time_s": recent.step_time, "finish_rate": recent.finish_rate,
-                "estimated_wait_s": wait, "open_requests": engine.num_open_requests,
-                "healthy": engine.is_healthy, "draining": engine.draining}
+def _dead(engine: EngineClient) -> OpenAIError:
+    return OpenAIError(503, f"the engine loop is dead: {engine.dead_error!r}", "ServiceUnavailableError")
 
-    @app.post("/v1/requests/{request_id}/cancel")
-    async def cancel(raw_request: Request, request_id: str = PathParam(
-            min_length=1, max_length=160, pattern=r"^[\x21-\x7e]+$",
-            description="an X-Request-Id or a response id (cmpl-..., chatcmpl-...)")) -> dict:
-        """Abort the caller's open requests known by ``request_id`` (their ``X-Request-Id`` or
-        response ``id``); their clients get what was generated, finish reason ``abort``.
-        Another key's request is not found (404), as a finished one."""
-        context = client_context(raw_request)
-        cancelled = registry.cancel(context.key_name, request_id)
-        if not cancelled:
-            raise OpenAIError(404, f"no open request {request_id!r} of this API key", "NotFoundError")
-        logger.info("cancelled %d request(s) %r of key %s", cancelled, request_id, context.key_name)
-        return {"id": request_id, "object": "request.cancelled", "cancelled": cancelled}
 
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": pagedllm.__version__}
+def _probe(raw_request: Request, ready: bool) -> Optional[Response]:
+    """The 503 of a probe: the engine loop died, or (``ready``) the server is draining; None
+    when it passes."""
+    engine = engine_client(raw_request)
+    if not engine.is_healthy:
+        return _dead(engine).response()
+    if ready and engine.draining:
+        return OpenAIError(503, "the server is shutting down", "ServiceUnavailableError").response()
+    return None
 
-    @app.get("/v1/models")
-    async def list_models(raw_request: Request) -> dict:
-        return {"object": "list", "data": models.list_models(created, client_context(raw_request).key)}
 
-    if allow_runtime_lora_updating:
-        @app.post("/v1/load_lora_adapter")
-        async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
-            _check_may_update_loras(raw_request)
-            return PlainTextResponse(await models.load_lora_adapter(request.lora_name, request.lora_path))
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    return _probe(raw_request, ready=True) or Response(status_code=200)
 
-        @app.post("/v1/unload_lora_adapter")
-        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Request) -> Response:
-            _check_may_update_loras(raw_request)
-            return PlainTextResponse(await models.unload_lora_adapter(request.lora_name))
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        if engine.metrics is None:
-            return Response("", media_type=CONTENT_TYPE_LATEST)
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+@router.get("/livez")
+async def livez(raw_request: Request) -> Response:
+    return _probe(raw_request, ready=False) or JSONResponse({"status": "alive"})
 
-    @app.post("/v1/completions")
-    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-        return await completions.create_completion(request, raw_request)
 
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await chat.create_chat_completion(request, raw_request)
+@router.get("/readyz")
+async def readyz(raw_request: Request) -> Response:
+    return _probe(raw_request, ready=True) or JSONResponse({"status": "ready"})
 
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> dict:
-        completions.check_model(request.model)
-        if (request.prompt is None) == (request.messages is None):
-            raise OpenAIError(400, "give exactly one of prompt or messages")
-        if request.messages is not None:
-            _, tokens = await asyncio.to_thread(chat.render, request.messages, request.add_generation_prompt)
-        else:
-            tokens = await asyncio.to_thread(completions.encode_text, request.prompt, "prompt",
-                                             add_special_tokens=request.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": model_info.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> dict:
-        completions.check_model(request.model)
-        tokenizer = completions.require_tokenizer("detokenize")
-        vocab_size = model_info.vocab_size
-        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
-                              param="tokens")
-        return {"prompt": tokenizer.decode(request.tokens)}
+@router.get("/load")
+async def load(raw_request: Request) -> dict:
+    """The engine thread's newest snapshots (``SchedulerStats``, ``LoadStats``): the same
+    counts as the ``/metrics`` gauges. Behind Ray Serve, those of the replica a new request
+    would start soonest on, and under ``replicas`` each replica's last report (its prefix
+    keys counted, not listed)."""
+    engine = engine_client(raw_request)
+    model_info = engine.model_info
+    stats, recent = engine.stats, engine.load
+    wait = recent.estimated_wait(stats, model_info.max_num_seqs)
+    reports = getattr(engine, "reports", None)
+    replicas = {} if reports is None else {"replicas": {
+        replica: {**{k: v for k, v in report.items() if k != "prefix_hashes"},
+                  "num_prefix_keys": len(report.get("prefix_hashes", ()))}
+        for replica, report in reports.items()}}
+    return {**replicas, "running": stats.num_running_reqs, "waiting": stats.num_waiting_reqs,
+            "kv_cache_usage": stats.kv_cache_usage, "num_blocks": stats.num_blocks,
+            "num_used_blocks": stats.num_used_blocks, "max_num_seqs": model_info.max_num_seqs,
+            "step_time_s": recent.step_time, "finish_rate": recent.finish_rate,
+            "estimated_wait_s": wait, "open_requests": engine.num_open_requests,
+            "healthy": engine.is_healthy, "draining": engine.draining}
 
-    if enable_dashboard:
-        _add_dashboard_routes(app, engine)
-    return app
+
+@router.post("/v1/requests/{request_id}/cancel")
+async def cancel(raw_request: Request, request_id: str = PathParam(
+        min_length=1, max_length=160, pattern=r"^[\x21-\x7e]+$",
+        description="an X-Request-Id or a response id (cmpl-..., chatcmpl-...)")) -> dict:
+    """Abort the caller's open requests known by ``request_id`` (their ``X-Request-Id`` or
+    response ``id``); their clients get what was generated, finish reason ``abort``.
+    Another key's request is not found (404), as a finished one."""
+    context = client_context(raw_request)
+    cancelled = raw_request.app.state.request_registry.cancel(context.key_name, request_id)
+    if not cancelled:
+        raise OpenAIError(404, f"no open request {request_id!r} of this API key", "NotFoundError")
+    logger.info("cancelled %d request(s) %r of key %s", cancelled, request_id, context.key_name)
+    return {"id": request_id, "object": "request.cancelled", "cancelled": cancelled}
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": pagedllm.__version__}
+
+
+@router.get("/v1/models")
+async def list_models(raw_request: Request) -> dict:
+    return {"object": "list",
+            "data": models(raw_request).list_models(raw_request.app.state.created, client_context(raw_request).key)}
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    engine_metrics = engine_client(raw_request).metrics
+    if engine_metrics is None:
+        return Response("", media_type=CONTENT_TYPE_LATEST)
+    return Response(engine_metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/v1/completions")
+async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    return await completions(raw_request).create_completion(request, raw_request)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    return await chat(raw_request).create_chat_completion(request, raw_request)
+
+
+@router.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> dict:
+    serving = completions(raw_request)
+    serving.check_model(request.model)
+    if (request.prompt is None) == (request.messages is None):
+        raise OpenAIError(400, "give exactly one of prompt or messages")
+    if request.messages is not None:
+        _, tokens = await asyncio.to_thread(chat(raw_request).render, request.messages,
+                                            request.add_generation_prompt)
+    else:
+        tokens = await asyncio.to_thread(serving.encode_text, request.prompt, "prompt",
+                                         add_special_tokens=request.add_special_tokens)
+    return {"count": len(tokens), "max_model_len": engine_client(raw_request).model_info.max_model_len,
+            "tokens": tokens}
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> dict:
+    serving = completions(raw_request)
+    serving.check_model(request.model)
+    tokenizer = serving.require_tokenizer("detokenize")
+    vocab_size = engine_client(raw_request).model_info.vocab_size
+    bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens")
+    return {"prompt": tokenizer.decode(request.tokens)}
 
 
 def _check_may_update_loras(raw_request: Request) -> None:
@@ -483,40 +397,158 @@ def _check_may_update_loras(raw_request: Request) -> None:
                                "adapters", "PermissionDeniedError")
 
 
-def _add_dashboard_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
-    """The live block-pool view: ``KVCacheSnapshot``s taken on the engine thread, as JSON
-    (``/debug/kv``), as a server-sent event per new snapshot (``/debug/kv/stream``, a few per
-    second while the engine steps) and drawn by a page (``/dashboard``)."""
-    page = _DASHBOARD_HTML.read_text(encoding="utf-8")
+@lora_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
+    _check_may_update_loras(raw_request)
+    return PlainTextResponse(await models(raw_request).load_lora_adapter(request.lora_name, request.lora_path))
 
-    @app.get("/debug/kv")
-    async def debug_kv() -> Response:
+
+@lora_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Request) -> Response:
+    _check_may_update_loras(raw_request)
+    return PlainTextResponse(await models(raw_request).unload_lora_adapter(request.lora_name))
+
+
+# The live block-pool view: ``KVCacheSnapshot``s taken on the engine thread, as JSON
+# (``/debug/kv``), as a server-sent event per new snapshot (``/debug/kv/stream``, a few per
+# second while the engine steps) and drawn by a page (``/dashboard``). Only a local
+# ``AsyncLLMEngine`` has a block pool at hand.
+@dashboard_router.get("/debug/kv")
+async def debug_kv(raw_request: Request) -> Response:
+    try:
+        snapshot = await engine_client(raw_request).get_kv_snapshot()
+    except Exception as exc:
+        raise to_openai_error(exc) from None
+    return Response(snapshot.json, media_type="application/json")
+
+
+@dashboard_router.get("/debug/kv/stream", include_in_schema=False)  # endless: not for schema fuzzers
+async def debug_kv_stream(raw_request: Request) -> Response:
+    engine = engine_client(raw_request)
+    if not engine.is_healthy:
+        raise _dead(engine)
+    snapshots = engine.subscribe_kv()
+
+    async def events():
         try:
-            snapshot = await engine.get_kv_snapshot()
-        except Exception as exc:
-            raise to_openai_error(exc) from None
-        return Response(snapshot.json, media_type="application/json")
+            async for snapshot in snapshots:
+                yield f"id: {snapshot.version}\ndata: {snapshot.json}\n\n"
+        except EngineDeadError:
+            return  # end the stream; a reconnecting page then gets the 503
 
-    @app.get("/debug/kv/stream", include_in_schema=False)  # endless: not for schema fuzzers
-    async def debug_kv_stream() -> Response:
-        if not engine.is_healthy:
-            raise OpenAIError(503, f"the engine loop is dead: {engine.dead_error!r}", "ServiceUnavailableError")
-        snapshots = engine.subscribe_kv()
+    # Closing the generator ends the subscription even when the client left between
+    # two events (Starlette then never resumes it).
+    return SSEResponse(events(), on_close=lambda: asyncio.ensure_future(snapshots.aclose()))
 
-        async def events():
-            try:
-                async for snapshot in snapshots:
-                    yield f"id: {snapshot.version}\ndata: {snapshot.json}\n\n"
-            except EngineDeadError:
-                return  # end the stream; a reconnecting page then gets the 503
 
-        # Closing the generator ends the subscription even when the client left between
-        # two events (Starlette then never resumes it).
-        return SSEResponse(events(), on_close=lambda: asyncio.ensure_future(snapshots.aclose()))
+@dashboard_router.get("/dashboard", include_in_schema=False)
+async def dashboard(raw_request: Request) -> HTMLResponse:
+    return HTMLResponse(raw_request.app.state.dashboard_page, headers={"Cache-Control": "no-cache"})
 
-    @app.get("/dashboard", include_in_schema=False)
-    async def dashboard() -> HTMLResponse:
-        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _request_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return _validation_error(exc).response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's and FastAPI's own errors (404 path, 405 method, unparsable body) as
+    OpenAI JSON, never ``{"detail": ...}``."""
+    status = exc.status_code
+    if status == 400 and exc.detail == "There was an error parsing the body":
+        message = _body_parse_error(exc.__cause__)
+    elif status == 404:
+        message = f"no such endpoint: {request.method} {request.url.path}"
+    elif status == 405:
+        allowed = (exc.headers or {}).get("Allow")
+        message = f"method {request.method} is not allowed on {request.url.path}" + (
+            f" (allowed: {allowed})" if allowed else "")
+    else:
+        message = str(exc.detail)
+    return OpenAIError(status, message, error_type(status), headers=exc.headers).response()
+
+
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error")
+    return to_openai_error(exc).response()
+
+
+def build_app(engine: EngineClient, server_args: ServerArgs, api_keys: Optional[Sequence[APIKey]] = None,
+              model_root: Optional[str] = None, clock: Callable[[], float] = time.monotonic) -> FastAPI:
+    """The FastAPI application over a started engine: an ``AsyncLLMEngine`` (``pagedllm
+    serve``), or Ray Serve replicas through a ``RayEngineClient`` (``pagedllm serve --replicas``).
+
+    Args:
+        engine: the engine (its ``metrics``, if any, are served at /metrics, with the per-key
+            series added).
+        server_args: the server's options. Read here: ``served_model_name`` (default: the
+            engine's ``model`` option, ``ServerArgs.served_model_names``), ``max_queue_wait``
+            (overload protection's limit on a new request's estimated wait; None: only the
+            engine's ``request_timeout``), ``max_request_body_bytes`` (413 beyond),
+            ``disable_dashboard`` (else ``/debug/kv``, ``/debug/kv/stream`` and
+            ``/dashboard``, which need an ``AsyncLLMEngine``), ``lora_modules`` (adapters the
+            engine has loaded, ids 1, 2, ...: ``ServerArgs.lora_requests``) and
+            ``allow_runtime_lora_updating`` (else ``/v1/load_lora_adapter`` and
+            ``/v1/unload_lora_adapter`` are 404).
+        api_keys: every key, with names and limits (``api_keys.py``), already loaded (default:
+            ``server_args.load_api_keys()``). With none the API is open and every caller is
+            ``anonymous``.
+        model_root: what /v1/models reports as ``root`` (default: the first served name).
+        clock: the rate limiter's monotonic clock, seconds (tests pass a fake one).
+
+    Raises:
+        ValueError: bad ``server_args`` (``ServerArgs.verify``), a dashboard asked of another
+            engine client, a key name used twice, a key with a priority under the ``fcfs``
+            scheduling policy.
+    """
+    server_args.verify()
+    model_info = engine.model_info  # the event loop reads nothing of the LLMEngine itself
+    served_model_names = server_args.served_model_names(model_info.model)
+    if not server_args.disable_dashboard and not isinstance(engine, AsyncLLMEngine):
+        raise ValueError(f"the dashboard reads a local engine's block pool; {type(engine).__name__} has none: "
+                         "pass disable_dashboard=True")
+    keys = list(server_args.load_api_keys() if api_keys is None else api_keys)
+    names = [key.name for key in keys]
+    if len(set(names)) != len(names):
+        raise ValueError(f"API key names must be unique, got {names} (--api-key's key is named "
+                         f"{DEFAULT_KEY_NAME!r})")
+    with_priority = [key.name for key in keys if key.priority not in (None, 0)]
+    if with_priority and model_info.scheduling_policy != "priority":
+        raise ValueError(f"API keys {with_priority} set a priority, which needs --scheduling-policy priority "
+                         f"(the engine schedules {model_info.scheduling_policy!r})")
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    key_metrics = None
+    if engine.metrics is not None:
+        key_metrics = APIKeyMetrics(engine.metrics.registry, engine.metrics.model_name, names)
+    limiter = RateLimiter(keys, clock, key_metrics.record if key_metrics is not None else None)
+    policy = ServerPolicy(limiter, RequestRegistry(), server_args.max_queue_wait)
+    if key_metrics is not None:
+        policy.record = key_metrics.record
+    serving_models = OpenAIServingModels(engine, served_model_names, model_root or served_model_names[0],
+                                         server_args.lora_requests())
+    state = app.state
+    state.engine_client = engine
+    state.request_registry = policy.registry
+    state.openai_serving_models = serving_models
+    state.openai_serving_completion = OpenAIServingCompletion(engine, served_model_names, policy, serving_models)
+    state.openai_serving_chat = OpenAIServingChat(engine, served_model_names, policy, serving_models)
+    state.created = int(time.time())
+    app.add_middleware(_ClientMiddleware, keyring=KeyRing(keys), limiter=limiter,
+                       max_body_bytes=server_args.max_request_body_bytes)
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _request_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.include_router(router)
+    if server_args.allow_runtime_lora_updating:
+        app.include_router(lora_router)
+    if not server_args.disable_dashboard:
+        state.dashboard_page = _DASHBOARD_HTML.read_text(encoding="utf-8")
+        app.include_router(dashboard_router)
+    return app
 
 
 class DrainingServer(uvicorn.Server):
@@ -553,98 +585,54 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def build_engine(engine_args: EngineArgs, engine_factory: Optional[str] = None,
+EngineFactory = Callable[[EngineArgs], LLMEngine]
+
+
+def build_engine(engine_args: EngineArgs, engine_factory: Optional[EngineFactory] = None,
                  lora_requests: Sequence[LoRARequest] = ()) -> LLMEngine:
-    """The ``LLMEngine`` of ``engine_args``, or ``engine_factory(engine_args)``
-    (``module:function``, the tests' ``--engine-factory``), with ``lora_requests`` loaded.
+    """``engine_factory(engine_args)`` (default ``LLMEngine``: tests pass one that builds a
+    tiny model) with ``lora_requests`` loaded.
 
     Raises:
         ValueError: as ``LLMEngine``, or an adapter it refuses (``LLMEngine.add_lora``).
     """
-    if engine_factory:
-        module_name, _, function_name = engine_factory.partition(":")
-        engine = getattr(importlib.import_module(module_name), function_name)(engine_args)
-    else:
-        engine = LLMEngine(engine_args)
+    engine = (engine_factory or LLMEngine)(engine_args)
     for lora_request in lora_requests:
         engine.add_lora(lora_request)
     return engine
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Bind ``host:port`` once and release it.
+def run_server(server_args: ServerArgs, engine_args: EngineArgs, engine_factory: Optional[EngineFactory] = None) -> int:
+    """Build the engine, serve until a signal, drain, return 0.
+
+    Args:
+        engine_factory: builds the engine from ``engine_args`` (default ``LLMEngine``; tests
+            serve tiny random models through it).
 
     Raises:
-        ValueError: the port is outside [0, 65535], or the address cannot be bound (in use,
-            not local, no permission).
+        ValueError: bad options (``ServerArgs.verify``, the keys file), the port cannot be
+            bound, or a configuration that cannot run.
     """
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {port}")
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-            probe.bind(address)
-    except OSError as exc:
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-
-
-def server_api_keys(args: argparse.Namespace) -> tuple[Optional[str], list[APIKey]]:
-    """``(--api-key or $PAGEDLLM_API_KEY, the keys of --api-keys-file or $PAGEDLLM_API_KEYS)``.
-
-    Raises:
-        ValueError: a keys file or variable that does not parse (``api_keys.py``).
-    """
-    api_keys = []
-    if args.api_keys_file:
-        api_keys = load_api_keys(args.api_keys_file)
-    elif envs.PAGEDLLM_API_KEYS:
-        api_keys = parse_api_keys(envs.PAGEDLLM_API_KEYS, "$PAGEDLLM_API_KEYS")
-    return args.api_key or envs.PAGEDLLM_API_KEY, api_keys
-
-
-def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
-    """Build the engine from the CLI options, serve until a signal, drain, return 0.
-
-    Raises:
-        ValueError: a bad option (engine options, --max-waiting-requests, --request-timeout,
-            --drain-timeout, --max-queue-wait, --max-request-body-bytes, the keys file) or a
-            configuration that cannot run.
-    """
-    if args.drain_timeout < 0:
-        raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
-    if args.max_queue_wait is not None and not args.max_queue_wait > 0:
-        raise ValueError(f"--max-queue-wait must be > 0 seconds, got {args.max_queue_wait}")
-    if args.max_request_body_bytes < 1:
-        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
-    api_key, api_keys = server_api_keys(args)
-    check_port_free(args.host, args.port)  # before seconds of model loading, not after
-    engine_args = EngineArgs.from_kwargs(**engine_kwargs)
-    names = args.served_model_name or [args.model or Path(DEFAULT_MODEL_FILE).stem]
-    lora_modules = parse_lora_modules(getattr(args, "lora_modules", None) or [])
-    if lora_modules and not engine_args.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora")
-    taken = [name for name, _ in lora_modules if name in names]
-    if taken:
-        raise ValueError(f"--lora-modules: {taken} are also base model names (--served-model-name)")
-    lora_requests = [LoRARequest(name, index + 1, path) for index, (name, path) in enumerate(lora_modules)]
-    request_log = RequestLog(args.request_log) if getattr(args, "request_log", None) else None
+    server_args.verify(engine_args)
+    api_keys = server_args.load_api_keys()
+    check_port_free(server_args.host, server_args.port)  # before seconds of model loading, not after
+    lora_requests = server_args.lora_requests()
+    request_log = RequestLog(server_args.request_log) if server_args.request_log else None
     # Built on the engine thread, the one that steps it (AsyncLLMEngine: one OpenMP team).
-    async_engine = AsyncLLMEngine(lambda: build_engine(engine_args, args.engine_factory, lora_requests), None,
-                                  args.max_waiting_requests, args.request_timeout, request_log)
+    async_engine = AsyncLLMEngine(lambda: build_engine(engine_args, engine_factory, lora_requests), None,
+                                  server_args.max_waiting_requests, server_args.request_timeout, request_log)
+    names = server_args.served_model_names(engine_args.model)
     async_engine.metrics = EngineMetrics(names[0], async_engine.model_info.max_model_len,
                                          engine_args.max_num_seqs, engine_args.max_num_batched_tokens,
                                          model_info=async_engine.model_info)
-    app = build_app(async_engine, names, api_key, model_root=str(args.model or DEFAULT_MODEL_FILE),
-                    api_keys=api_keys, max_queue_wait=args.max_queue_wait,
-                    enable_dashboard=not args.disable_dashboard,
-                    max_request_body_bytes=args.max_request_body_bytes, lora_requests=lora_requests,
-                    allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False))
+    app = build_app(async_engine, server_args, api_keys, model_root=ServerArgs.model_root(engine_args.model))
     # asyncio and h11, never uvloop and httptools: uvicorn's "auto" takes those when installed
-    # (ray[serve] brings both), and the server's behaviour must not depend on what else is installed.
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+    # (ray[serve] brings both), and the server's behaviour must not depend on what else is
+    # installed. uvicorn logs at the level `pagedllm --log-level` gave the root logger.
+    log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=log_level,
                             access_log=False, timeout_graceful_shutdown=5, loop="asyncio", http="h11")
-    server = DrainingServer(config, async_engine, args.drain_timeout)
+    server = DrainingServer(config, async_engine, server_args.drain_timeout)
     async_engine.start()
     try:
         server.run()

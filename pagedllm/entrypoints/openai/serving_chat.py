@@ -9,11 +9,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.protocol import OutputStream
+from pagedllm.entrypoints.openai.errors import OpenAIError, sampling_params_error
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing, SSEResponse,
+from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIServing, SSEResponse,
                                                         collect_final, merge_streams, now_seconds, prompt_logprobs_json,
                                                         run_until_disconnect,
-                                                        sampling_params_error, sse, sse_with_errors, usage)
+                                                        sse, sse_with_errors, usage)
 from pagedllm.entrypoints.openai.tool_calls import (ToolCall, check_tools, constraint_schema, held_back, parse_auto,
                                                     parse_forced, template_messages_arguments)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput

@@ -8,11 +8,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.protocol import OutputStream
+from pagedllm.entrypoints.openai.errors import OpenAIError, sampling_params_error
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
-from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIError, OpenAIServing, SSEResponse,
+from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIServing, SSEResponse,
                                                         collect_final, merge_streams, now_seconds, prompt_logprobs_json,
                                                         run_until_disconnect,
-                                                        sampling_params_error, sse, sse_with_errors, usage)
+                                                        sse, sse_with_errors, usage)
 from pagedllm.outputs import Logprob, RequestOutput
 
 

@@ -15,79 +15,17 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
-from pagedllm.engine.async_engine import (EngineDeadError, EngineDrainingError, QueueFullError,
-                                          RequestFailedError, RequestTimeoutError)
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.protocol import EngineClient, OutputStream
 from pagedllm.entrypoints.openai.api_keys import ANONYMOUS, Admission, APIKey, RateLimiter, RateLimitError
+from pagedllm.entrypoints.openai.errors import OpenAIError, to_openai_error
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class OpenAIError(Exception):
-    """An error answered as OpenAI's JSON: ``{"error": {"message", "type", "param", "code"}}``.
-
-    Args:
-        status: HTTP status (also the ``code``).
-        message: what went wrong, naming the field, the limit and the value where there is one.
-        type: vLLM's error type names (``BadRequestError``, ``NotFoundError``, ...).
-        param: the offending request field, if known.
-        headers: extra response headers (``Retry-After`` for 429).
-    """
-
-    def __init__(self, status: int, message: str, type: str = "BadRequestError",
-                 param: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.status}}
-
-    def response(self) -> JSONResponse:
-        return _ASCIIJSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def sampling_params_error(exc: ValueError) -> OpenAIError:
-    """A ``SamplingParams`` ``ValueError`` as a 400; its message starts with the field's name
-    (``temperature must be >= 0, got -1``), which becomes ``param``."""
-    field = str(exc).split(" ", 1)[0].rstrip(":")
-    return OpenAIError(400, str(exc), param=field if field.isidentifier() else None)
-
-
-class _ASCIIJSONResponse(JSONResponse):
-    """JSON with non-ASCII escaped: an error message may quote the request's text, and a lone
-    surrogate in it (valid in JSON, not in UTF-8) must not break the error response itself."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
-
-
-def to_openai_error(exc: BaseException) -> OpenAIError:
-    """Map an engine exception to its HTTP error (anything unexpected is a 500)."""
-    if isinstance(exc, OpenAIError):
-        return exc
-    if isinstance(exc, ValueError):  # the engine's messages name the field and the value
-        return OpenAIError(400, str(exc))
-    if isinstance(exc, QueueFullError):
-        return OpenAIError(429, str(exc), "RateLimitError", headers={"Retry-After": "1"})
-    if isinstance(exc, EngineDrainingError):  # another instance behind the load balancer can take it
-        return OpenAIError(503, str(exc), "ServiceUnavailableError", headers={"Retry-After": "1"})
-    if isinstance(exc, EngineDeadError):  # a restart takes about a model load
-        return OpenAIError(503, str(exc), "ServiceUnavailableError", headers={"Retry-After": "30"})
-    if isinstance(exc, RequestTimeoutError):
-        return OpenAIError(504, str(exc), "TimeoutError")
-    if isinstance(exc, RequestFailedError):  # the engine ended the request and keeps serving
-        return OpenAIError(500, str(exc), "InternalServerError")
-    return OpenAIError(500, f"internal error: {exc!r}", "InternalServerError")
 
 
 @dataclass
@@ -220,9 +158,7 @@ class OpenAIServing:
     """
 
     def __init__(self, engine: EngineClient, served_model_names: Sequence[str],
-                 policy: Optional[ServerPolicy] = None, models: Any = None) -> None:
-        from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
-
+                 policy: Optional[ServerPolicy] = None, models: Optional[OpenAIServingModels] = None) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]

@@ -12,38 +12,12 @@ is unknown to it (404, as an unknown model), so a key cannot learn which others 
 from __future__ import annotations
 
 import itertools
-import json
 from typing import Optional, Sequence
 
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.api_keys import APIKey
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, to_openai_error
+from pagedllm.entrypoints.openai.errors import OpenAIError, to_openai_error
 from pagedllm.lora.request import LoRARequest
-
-
-def parse_lora_modules(values: Sequence[str]) -> list[tuple[str, str]]:
-    """``--lora-modules`` values as ``(name, path)``: ``name=path``, or vLLM's JSON form
-    ``{"name": ..., "path": ...}``.
-
-    Raises:
-        ValueError: another form, an empty name or path, or a name given twice.
-    """
-    modules: list[tuple[str, str]] = []
-    for value in values:
-        if value.lstrip().startswith("{"):
-            try:
-                entry = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--lora-modules {value!r}: not valid JSON: {exc.msg}") from None
-            name, path = entry.get("name"), entry.get("path")
-        else:
-            name, _, path = value.partition("=")
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            raise ValueError(f"--lora-modules {value!r}: give name=path or {{\"name\": ..., \"path\": ...}}")
-        if any(name == known for known, _ in modules):
-            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
-        modules.append((name, path))
-    return modules
 
 
 class OpenAIServingModels:
