@@ -411,9 +411,13 @@ def test_speculative_config_is_checked():
     assert (parsed.prompt_lookup_min, parsed.prompt_lookup_max) == (3, 3)  # vLLM's rule
     parsed = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
     assert (parsed.prompt_lookup_min, parsed.prompt_lookup_max) == (5, 5)
+    # vLLM's rule: no method is ngram, or draft_model when a model is given.
+    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2}).method == "ngram"
+    assert SpeculativeConfig.from_dict({"model": "some/model", "num_speculative_tokens": 2}).method == "draft_model"
     refused = {
-        "draft_model": {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3},
-        "not supported": {"model": "some/model", "num_speculative_tokens": 3},
+        "'draft_model' needs model": {"method": "draft_model", "num_speculative_tokens": 3},
+        "method 'ngram' takes neither": {"method": "ngram", "model": "some/model", "num_speculative_tokens": 3},
+        "quantization must be one of": {"model": "some/model", "quantization": "int3", "num_speculative_tokens": 3},
         "eagle": {"method": "eagle", "num_speculative_tokens": 3},
         "unsupported field": {"method": "ngram", "num_speculative_tokens": 3, "speculative_token_tree": "x"},
         "num_speculative_tokens must be a positive": {"method": "ngram", "num_speculative_tokens": 0},

@@ -146,7 +146,11 @@ class LLMEngine:
         block_size = engine_args.block_size
         self.kv_cache_dtype = engine_args.kv_cache_torch_dtype(model.dtype)
         other_ranks_memory = self._tp_workers.wait_loaded() if self._tp_workers else 0
-        num_blocks = determine_num_blocks(model, engine_args, self.kv_cache_dtype, other_ranks_memory)
+        speculative = engine_args.speculative
+        draft_model = (self._load_draft_model(speculative.model, speculative.quantization, model.dtype, tokenizer)
+                       if speculative is not None and speculative.method == "draft_model" else None)
+        num_blocks = determine_num_blocks(model, engine_args, self.kv_cache_dtype, other_ranks_memory,
+                                          bytes_per_block(draft_model, block_size, self.kv_cache_dtype) if draft_model else 0)
         if self._tp_workers:
             self._tp_workers.allocate_kv_caches(num_blocks)
         capacity = num_blocks * block_size
@@ -171,8 +175,8 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size,
                                                enable_caching=engine_args.enable_prefix_caching)
-        speculative = engine_args.speculative
-        self.proposer: Optional[Proposer] = None if speculative is None else make_proposer(speculative)
+        self.proposer: Optional[Proposer] = None if speculative is None else make_proposer(
+            speculative, draft_model, model.config, num_blocks, engine_args, self.kv_cache_dtype, self.max_model_len)
         self.scheduler = Scheduler(self.kv_cache_manager, engine_args.max_num_seqs,
                                    engine_args.max_num_batched_tokens, self.max_model_len,
                                    engine_args.scheduling_policy, engine_args.priority_aging_interval,
@@ -222,6 +226,19 @@ class LLMEngine:
         self._scheduled_once: set = set()
         self._iteration = IterationStats()
         self._kv_snapshot_version = 0
+
+    def _load_draft_model(self, model: str, quantization: Optional[str], dtype: torch.dtype,
+                          tokenizer: Any) -> LlamaForCausalLM:
+        """``speculative_config``'s draft model, read as ``load_format`` says, in ``dtype``."""
+        if self.args.load_format == "dummy":
+            config, state_dict = load_dummy_checkpoint(model, dtype, self.args.seed)
+            prequantized = None
+        else:
+            path = resolve_model_path(model)
+            config, state_dict = load_checkpoint(path)
+            quantization, prequantized = load_prequantized(path, quantization)
+        calibration = calibration_token_ids(tokenizer, config.vocab_size) if quantization == "w8a8" else None
+        return build_model(config, state_dict, dtype, quantization, prequantized, calibration_token_ids=calibration)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -524,8 +541,9 @@ class LLMEngine:
                 if request.sampling_params.logprobs is not None:
                     request.logprobs.append(record)
         if self.proposer is not None:
-            for request, max_num_tokens in self.scheduler.spec_decode_candidates():
-                request.spec_token_ids = self.proposer.propose(request, max_num_tokens)
+            candidates = self.scheduler.spec_decode_candidates()
+            for (request, _), drafts in zip(candidates, self.proposer.propose_batch(candidates)):
+                request.spec_token_ids = drafts
         changed = {self._child_to_parent[request_id] for request_id in sampled}
         changed.update(self._child_to_parent[request.request_id] for request in finished)
         for parent_id in [pid for pid in self.parents if pid in changed]:
