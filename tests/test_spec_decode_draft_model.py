@@ -8,11 +8,9 @@ transformers, are in test_spec_decode.py beside the other SmolLM2 tests (one ref
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import pytest
-from safetensors.torch import save_file
 
 from pagedllm import SamplingParams
 from pagedllm.config import EngineArgs
@@ -22,7 +20,7 @@ from pagedllm.metrics import EngineMetrics
 from pagedllm.spec_decode import make_proposer
 from pagedllm.utils import cdiv
 from pagedllm.worker.kv_cache_sizing import bytes_per_block
-from tests.conftest import make_tiny_engine, run_to_completion, tiny_config, tiny_state_dict
+from tests.conftest import make_tiny_engine, run_to_completion, save_tiny_checkpoint, tiny_config
 from tests.test_spec_decode import (check_rollback_invariants, repetitive_prompts, run_to_completion_outputs,
                                     sample_sequences, two_sample_p_value)
 
@@ -41,15 +39,7 @@ def drafts(tmp_path_factory) -> dict[str, str]:
                                ("short", 0, tiny_config(max_position_embeddings=64))):
         # tiny_state_dict draws the embedding, norm and head first, then layer by layer, so a
         # 1-layer model of the same seed is the first layer of the 2-layer one.
-        folder = tmp_path_factory.mktemp(name)
-        (folder / "config.json").write_text(json.dumps(dict(
-            model_type="llama", tie_word_embeddings=False,
-            **{key: getattr(config, key) for key in ("vocab_size", "hidden_size", "intermediate_size",
-                                                     "num_hidden_layers", "num_attention_heads",
-                                                     "num_key_value_heads", "head_dim", "rms_norm_eps",
-                                                     "rope_theta", "max_position_embeddings")})))
-        save_file(tiny_state_dict(config, seed), str(folder / "model.safetensors"))
-        folders[name] = str(folder)
+        folders[name] = save_tiny_checkpoint(tmp_path_factory.mktemp(name), config, seed)
     return folders
 
 
