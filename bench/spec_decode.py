@@ -2,12 +2,16 @@
 where it stops paying (docs/speculative-decoding.md).
 
 Two workloads, each on its own model, loaded once and shared by one engine per configuration
-(no speculation, ``ngram``, ``suffix``); the configurations run one after the other, round
-after round, so that a change in the machine's load hits them alike:
+(no speculation, ``ngram``, ``suffix``, ``draft_model``); the configurations run one after the
+other, round after round, so that a change in the machine's load hits them alike:
 
 - code edit: Qwen2.5-Coder-0.5B-Instruct rewrites a given function (the answer copies most
   of it);
 - summary with quotations: SmolLM2-135M-Instruct summarizes a passage quoting it verbatim.
+
+``draft_model`` drafts with ``--draft-model`` (default: the workload's own model) quantized as
+``--draft-quantization`` (default ``int4``: the GGUF's 4-bit codes), so by default each model
+drafts for itself through its int4 variant.
 
 Per configuration it prints the acceptance rate (accepted / draft tokens), output tokens per
 decode step, decode tokens per second (first token to last, so prefill is left out) and the
@@ -19,6 +23,7 @@ request at once, without speculation and with ``ngram`` drafts in every step
     python bench/spec_decode.py                       # both workloads, 3 rounds
     python bench/spec_decode.py --batch-sizes 1 2 4 8 16
     python bench/spec_decode.py --rounds 1 --max-tokens 16 --workloads summary   # smoke run
+    python bench/spec_decode.py --configs none draft_model ngram --rounds 3       # the draft model
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ CONFIGS = {
     "none": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "suffix": {"method": "suffix", "num_speculative_tokens": 5},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 5},
 }
 
 
@@ -135,7 +141,9 @@ def bench_workload(name: str, args: argparse.Namespace) -> None:
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
                                            add_generation_prompt=True)
     prompt = list(getattr(prompt, "input_ids", prompt))
-    engines = {config: make_engine(base, CONFIGS[config]) for config in args.configs}
+    draft = {"model": args.draft_model or model, "quantization": args.draft_quantization or None}
+    engines = {config: make_engine(base, dict(CONFIGS[config], **draft) if config == "draft_model" else CONFIGS[config])
+               for config in args.configs}
     for engine in engines.values():  # warm-up: C++ ops, first-touch of the KV pool
         run_once(engine, prompt, 4)
     results = {config: [] for config in engines}
@@ -147,6 +155,8 @@ def bench_workload(name: str, args: argparse.Namespace) -> None:
     print(f"\n## {name}: {model}, {len(prompt)}-token prompt, {args.max_tokens} tokens, greedy, "
           f"median of {args.rounds} alternated rounds")
     print(f"answer: {tokenizer.decode(reference['tokens'])[:300]!r}")
+    if "draft_model" in engines:
+        print(f"draft_model: {draft['model']}, quantization {draft['quantization'] or 'as its checkpoint'}")
     print("| config | acceptance rate | tokens per step | decode tok/s | speed-up | output equals first config |")
     print("|---|---|---|---|---|---|")
     for config, runs in results.items():
@@ -178,6 +188,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram (prompt_lookup_max: 5 or this)")
+    parser.add_argument("--draft-model", default=None,
+                        help="draft_model: the draft (default: the workload's model itself)")
+    parser.add_argument("--draft-quantization", default="int4",
+                        help="draft_model: the draft's quantization ('' for none; default int4)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 gives steadier ratios on a shared machine")
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[],
@@ -188,6 +202,7 @@ def main() -> None:
     CONFIGS["ngram"].update(num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
                             prompt_lookup_max=max(5, args.prompt_lookup_min))
     CONFIGS["suffix"].update(num_speculative_tokens=args.num_speculative_tokens)
+    CONFIGS["draft_model"].update(num_speculative_tokens=args.num_speculative_tokens)
     for index, name in enumerate(args.workloads):
         if index and args.batch_sizes:
             args.batch_sizes = []  # the crossover once, on the first workload

@@ -48,11 +48,10 @@ _NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "to
 DEFAULT_MAX_REQUEST_BODY_BYTES = 64 * 2**20
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 # vLLM's other methods, refused by name so that a vLLM configuration fails with a clear message.
-_UNSUPPORTED_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp",
-                                    "deepseek_mtp")
+_UNSUPPORTED_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp")
 
 
 @dataclass
@@ -61,9 +60,11 @@ class SpeculativeConfig:
 
     Attributes:
         method: ``"ngram"`` (prompt lookup: the continuation of the latest earlier occurrence
-            of the sequence's last n tokens, ``spec_decode/ngram_proposer.py``) or
+            of the sequence's last n tokens, ``spec_decode/ngram_proposer.py``),
             ``"suffix"`` (the most frequent continuation in a suffix trie over the prompt and
-            the request's output, ``spec_decode/suffix_proposer.py``).
+            the request's output, ``spec_decode/suffix_proposer.py``) or ``"draft_model"``
+            (a smaller model's greedy tokens, ``spec_decode/draft_model_proposer.py``). None
+            (vLLM's rule): ``draft_model`` when ``model`` is given, else ``ngram``.
         num_speculative_tokens: most draft tokens verified per sequence and step (>= 1).
         prompt_lookup_min, prompt_lookup_max: ``ngram``: shortest and longest suffix (tokens)
             matched. vLLM's rule: one given, the other equals it; neither: both 5.
@@ -76,14 +77,17 @@ class SpeculativeConfig:
         disable_by_batch_size: propose nothing in a step when more than this many sequences
             are running (vLLM's name): verification rows cost compute, and a large batch is
             compute-bound already. None: never turn it off.
-        model: a draft model (vLLM's ``draft_model`` method): refused, not implemented.
+        model: ``draft_model``: the draft model, as ``EngineArgs.model`` takes one (a named
+            model, a .gguf file or a Hugging Face folder). Its vocabulary must be the target's.
+        quantization: ``draft_model``: the draft's ``quantization`` (as ``EngineArgs.quantization``;
+            None: as the draft's checkpoint is); it runs in the target's dtype.
 
     Raises:
         ValueError: an unknown field or method, a method pagedllm does not implement, or a
             value out of range (``from_dict``).
     """
 
-    method: str = "ngram"
+    method: Optional[str] = None
     num_speculative_tokens: int = 0
     prompt_lookup_min: Optional[int] = None
     prompt_lookup_max: Optional[int] = None
@@ -92,6 +96,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     disable_by_batch_size: Optional[int] = 4
     model: Optional[str] = None
+    quantization: Optional[str] = None
 
     @classmethod
     def from_dict(cls, values: Union[dict, str, "SpeculativeConfig"]) -> "SpeculativeConfig":
@@ -114,13 +119,24 @@ class SpeculativeConfig:
         return config
 
     def verify(self) -> None:
-        """Fill the ``prompt_lookup`` defaults and check every field (ValueError)."""
-        if self.model is not None or self.method in _UNSUPPORTED_SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config: method {self.method!r}"
-                             f"{'' if self.model is None else f' (model {self.model!r})'} is not supported by "
-                             f"pagedllm; supported methods: {', '.join(SPECULATIVE_METHODS)}")
+        """Fill the ``method`` and ``prompt_lookup`` defaults and check every field (ValueError)."""
+        if self.method is None:
+            self.method = "ngram" if self.model is None else "draft_model"
+        if self.method in _UNSUPPORTED_SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method {self.method!r} is not supported by pagedllm; "
+                             f"supported methods: {', '.join(SPECULATIVE_METHODS)}")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(f"speculative_config: method 'draft_model' needs model (the draft model's "
+                                 f"name or path), got {self.model!r}")
+            if self.quantization is not None and self.quantization not in _QUANTIZATIONS:
+                raise ValueError(f"speculative_config: quantization must be one of None, "
+                                 f"{', '.join(map(repr, _QUANTIZATIONS))}, got {self.quantization!r}")
+        elif self.model is not None or self.quantization is not None:
+            raise ValueError(f"speculative_config: model and quantization are draft_model's fields; method "
+                             f"{self.method!r} takes neither")
         positive = {"num_speculative_tokens": self.num_speculative_tokens,
                     "suffix_decoding_max_tree_depth": self.suffix_decoding_max_tree_depth}
         if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
@@ -289,8 +305,10 @@ class EngineArgs:
     speculative_config: Optional[dict] = _option(
         None, "speculative decoding, as vLLM's JSON object, e.g. '{\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 5}': method ngram (prompt lookup; prompt_lookup_min / "
-              "prompt_lookup_max) or suffix (suffix_decoding_max_tree_depth, _max_spec_factor, "
-              "_min_token_prob); disable_by_batch_size (default 4) turns it off in steps with more "
+              "prompt_lookup_max), suffix (suffix_decoding_max_tree_depth, _max_spec_factor, "
+              "_min_token_prob) or draft_model (model: a smaller model with the same vocabulary, "
+              "with its own KV cache from the same budget; quantization: the draft's); "
+              "disable_by_batch_size (default 4) turns it off in steps with more "
               "running sequences. Greedy output is unchanged and sampled output keeps its "
               "distribution (rejection sampling); see docs/speculative-decoding.md",
         parse=json.loads)
@@ -399,8 +417,10 @@ class EngineArgs:
         if self.enable_lora and tp_size > 1:
             raise ValueError(f"enable_lora with tensor_parallel_size={tp_size} is not supported (the "
                              "adapters' A/B are not sharded): use tensor_parallel_size=1")
-        if self.speculative_config is not None:
-            SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative_config is not None and self.speculative.method == "draft_model" and tp_size > 1:
+            raise ValueError(f"speculative_config method 'draft_model' with tensor_parallel_size={tp_size} is not "
+                             "supported (the draft model is not sharded): use tensor_parallel_size=1 or method "
+                             "ngram / suffix")
         if self.pipeline_parallel_size != 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported "
                              "(use 1; tensor_parallel_size splits a model over processes)")

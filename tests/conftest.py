@@ -67,6 +67,22 @@ def tiny_state_dict(config: LlamaConfig, seed: int = 0) -> dict[str, torch.Tenso
     return sd
 
 
+def save_tiny_checkpoint(folder, config: LlamaConfig, seed: int = 0) -> str:
+    """Write ``tiny_state_dict(config, seed)`` as a Hugging Face folder (``config.json`` and
+    ``model.safetensors``) that ``models/loader.py`` reads; returns the folder as a string."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings")
+    (folder / "config.json").write_text(json.dumps(dict(model_type="llama", tie_word_embeddings=False,
+                                                        **{key: getattr(config, key) for key in fields})))
+    save_file(tiny_state_dict(config, seed), str(folder / "model.safetensors"))
+    return str(folder)
+
 
 def hf_tiny_model(seed: int = 0, ours=None):
     """HF's Llama with the weights of ``build_model(ours, tiny_state_dict(ours, seed))``."""

@@ -16,7 +16,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.lora.layers import LoRAContext, LoRALinear, PackedLoRA, ExpandSlice, add_lora
 from pagedllm.models.loader import build_model
-from tests.conftest import hf_tiny_model, run_to_completion, tiny_config, tiny_state_dict
+from tests.conftest import hf_tiny_model, run_to_completion, save_tiny_checkpoint, tiny_config, tiny_state_dict
 from tests.lora_adapters import adapters_and_references, make_adapter
 
 peft = pytest.importorskip("peft", reason="peft (the test extra) makes the adapters and the reference")
@@ -345,13 +345,18 @@ def test_stats_name_running_and_waiting_adapters(tiny_adapters):
     assert engine.make_stats().running_lora_adapters == ()
 
 
-def test_adapter_requests_with_speculative_decoding_equal_peft(tiny_adapters):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_adapter_requests_with_speculative_decoding_equal_peft(tiny_adapters, tmp_path, method):
     """Drafts verified as several decode rows of one adapter: each adapter's greedy output is still
-    transformers + PEFT's, and drafts were verified (so the combination ran)."""
+    transformers + PEFT's, and drafts were verified (so the combination ran). The draft model is
+    the base model without adapters."""
     requests, prompts, references = tiny_adapters
-    engine = tiny_lora_engine(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                  "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-                                                  "disable_by_batch_size": 64})
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+              "disable_by_batch_size": 64}
+    if method == "draft_model":
+        config = {"model": save_tiny_checkpoint(tmp_path, tiny_config(), 0), "num_speculative_tokens": 3,
+                  "disable_by_batch_size": 64}
+    engine = tiny_lora_engine(speculative_config=config)
     jobs = [(prompt, lora) for lora in [*requests, None] for prompt in prompts]
     assert generate(engine, jobs) == [tokens for per_adapter in references for tokens in per_adapter]
     assert engine.scheduler.spec_decode_num_draft_tokens > 0

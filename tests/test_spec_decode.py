@@ -346,8 +346,8 @@ def smollm2(smollm2_llm_fp32):
     return smollm2_llm_fp32.llm_engine
 
 
-def smollm2_engine(base: LLMEngine, config: dict | None) -> LLMEngine:
-    args = EngineArgs.from_kwargs(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 * 2**20,
+def smollm2_engine(base: LLMEngine, config: dict | None, kv_cache_memory_bytes: int = 64 * 2**20) -> LLMEngine:
+    args = EngineArgs.from_kwargs(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=kv_cache_memory_bytes,
                                   speculative_config=config)
     return LLMEngine(args, model=base.model, tokenizer=base.tokenizer)
 
@@ -405,6 +405,44 @@ def test_smollm2_stop_string_output_equals_non_speculative(smollm2):
     assert a.finish_reason == "stop" and len(a.token_ids) < 32
 
 
+def smollm2_draft_engine(base: LLMEngine, quantization: str | None = None) -> LLMEngine:
+    """An engine over ``base``'s model with SmolLM2 (read again, as ``quantization`` says) as
+    its draft model; the doubled KV budget holds a max_model_len request in both pools."""
+    from pagedllm.models.loader import resolve_model_path
+
+    config = {"model": str(resolve_model_path(None)), "quantization": quantization, "num_speculative_tokens": 4}
+    return smollm2_engine(base, config, kv_cache_memory_bytes=128 * 2**20)
+
+
+@pytest.mark.slow
+def test_smollm2_drafting_for_itself_accepts_every_draft(smollm2, edit_reference):
+    """SmolLM2 fp32 drafting for itself proposes the target's own greedy tokens: every draft
+    is accepted, and the output equals transformers' greedy decoding token for token."""
+    prompt, expected = edit_reference
+    engine = smollm2_draft_engine(smollm2)
+    engine.add_request("edit", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    assert run_to_completion(engine)["edit"].outputs[0].token_ids == expected
+    stats = engine.make_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0, stats
+    assert engine.proposer.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_smollm2_int4_draft_for_the_fp32_model_equals_transformers(smollm2, edit_reference):
+    """SmolLM2's int4 variant (the GGUF's 4-bit codes) drafting for the fp32 model: the
+    output equals transformers' greedy decoding, drafts accepted."""
+    prompt, expected = edit_reference
+    engine = smollm2_draft_engine(smollm2, "int4")
+    assert engine.proposer.model.quantization == "int4"
+    engine.add_request("edit", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    assert run_to_completion(engine)["edit"].outputs[0].token_ids == expected
+    stats = engine.make_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens, stats
+    assert engine.proposer.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
 # ----------------------------------------------------------------------------- options, refusals
 def test_speculative_config_is_checked():
     assert EngineArgs.from_kwargs(speculative_config=NGRAM).speculative.prompt_lookup_max == 3
@@ -412,9 +450,13 @@ def test_speculative_config_is_checked():
     assert (parsed.prompt_lookup_min, parsed.prompt_lookup_max) == (3, 3)  # vLLM's rule
     parsed = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
     assert (parsed.prompt_lookup_min, parsed.prompt_lookup_max) == (5, 5)
+    # vLLM's rule: no method is ngram, or draft_model when a model is given.
+    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2}).method == "ngram"
+    assert SpeculativeConfig.from_dict({"model": "some/model", "num_speculative_tokens": 2}).method == "draft_model"
     refused = {
-        "draft_model": {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3},
-        "not supported": {"model": "some/model", "num_speculative_tokens": 3},
+        "'draft_model' needs model": {"method": "draft_model", "num_speculative_tokens": 3},
+        "method 'ngram' takes neither": {"method": "ngram", "model": "some/model", "num_speculative_tokens": 3},
+        "quantization must be one of": {"model": "some/model", "quantization": "int3", "num_speculative_tokens": 3},
         "eagle": {"method": "eagle", "num_speculative_tokens": 3},
         "unsupported field": {"method": "ngram", "num_speculative_tokens": 3, "speculative_token_tree": "x"},
         "num_speculative_tokens must be a positive": {"method": "ngram", "num_speculative_tokens": 0},

@@ -113,17 +113,19 @@ class LLMEngine:
                     f"than one request of max_model_len={self.max_model_len}: lower max_model_len or "
                     "raise kv_cache_memory_bytes / memory_utilization")
         self.num_blocks = num_blocks
+        speculative = engine_args.speculative
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size,
                                                enable_caching=engine_args.enable_prefix_caching)
-        speculative = engine_args.speculative
-        self.proposer: Optional[Proposer] = None if speculative is None else make_proposer(speculative)
+        executor.initialize_cache(num_blocks, self.max_model_len)
+        # A draft model is the worker's (it computes); prompt lookup and the suffix trie only read tokens.
+        self.proposer: Optional[Proposer] = (None if speculative is None else executor.drafter
+                                             or make_proposer(speculative))
         self.scheduler = Scheduler(self.kv_cache_manager, engine_args.max_num_seqs,
                                    engine_args.max_num_batched_tokens, self.max_model_len,
                                    engine_args.scheduling_policy, engine_args.priority_aging_interval,
                                    max_loras=engine_args.max_loras if engine_args.enable_lora else None,
                                    num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
                                    disable_spec_by_batch_size=speculative.disable_by_batch_size if speculative else None)
-        executor.initialize_cache(num_blocks, self.max_model_len)
         # All ranks together: each holds its KV heads' share of every block.
         self.bytes_per_block = executor.bytes_per_block()
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%d tensor-parallel ranks); "
@@ -439,8 +441,9 @@ class LLMEngine:
                 if request.sampling_params.logprobs is not None:
                     request.logprobs.append(record)
         if self.proposer is not None:
-            for request, max_num_tokens in self.scheduler.spec_decode_candidates():
-                request.spec_token_ids = self.proposer.propose(request, max_num_tokens)
+            candidates = self.scheduler.spec_decode_candidates()
+            for (request, _), drafts in zip(candidates, self.proposer.propose_batch(candidates)):
+                request.spec_token_ids = drafts
         changed = {self._child_to_parent[request_id] for request_id in sampled}
         changed.update(self._child_to_parent[request.request_id] for request in finished)
         for parent_id in [pid for pid in self.parents if pid in changed]:

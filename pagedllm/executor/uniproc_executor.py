@@ -42,6 +42,12 @@ class UniProcExecutor:
     def tokenizer(self) -> Any:
         return self.driver_worker.tokenizer
 
+    @property
+    def drafter(self) -> Any:
+        """The ``draft_model`` proposer (``spec_decode/draft_model_proposer.py``), which runs
+        the draft model beside this worker's; None for the other methods."""
+        return self.driver_worker.drafter
+
     def determine_num_blocks(self) -> int:
         """KV blocks the budget holds (``Worker.determine_num_blocks``)."""
         return self.driver_worker.determine_num_blocks()

@@ -12,17 +12,21 @@ from __future__ import annotations
 from typing import Union
 
 from pagedllm.config import SpeculativeConfig
+from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.suffix_proposer import SuffixProposer
 
-Proposer = Union[NgramProposer, SuffixProposer]
+Proposer = Union[NgramProposer, SuffixProposer, DraftModelProposer]
 
-__all__ = ["NgramProposer", "Proposer", "SuffixProposer", "make_proposer"]
+__all__ = ["DraftModelProposer", "NgramProposer", "Proposer", "SuffixProposer", "make_proposer"]
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer of ``config.method`` (``"ngram"`` or ``"suffix"``; ``config`` is checked)."""
+def make_proposer(config: SpeculativeConfig) -> Union[NgramProposer, SuffixProposer]:
+    """The proposer of ``config.method``: ``"ngram"`` or ``"suffix"`` (``config`` is checked).
+    A ``draft_model`` proposer computes, so the worker that holds the draft model builds it
+    (``Worker.initialize_cache``)."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    assert config.method == "suffix", config.method
     return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_spec_factor,
                           config.suffix_decoding_min_token_prob)

@@ -63,5 +63,9 @@ class NgramProposer:
         """Drafts to follow ``request.all_token_ids`` (at most ``max_num_tokens``)."""
         return propose_ngram(request.all_token_ids, self.min_n, self.max_n, max_num_tokens)
 
+    def propose_batch(self, candidates: Sequence[tuple[Request, int]]) -> list[list[int]]:
+        """``propose`` for each ``(request, max_num_tokens)``, in order."""
+        return [self.propose(request, max_num_tokens) for request, max_num_tokens in candidates]
+
     def remove(self, request_id: str) -> None:
         """Nothing to forget."""

@@ -18,6 +18,8 @@ path).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from pagedllm.core.request import Request
 
 
@@ -99,6 +101,10 @@ class SuffixProposer:
             draft.append(token_id)
             node = child
         return draft
+
+    def propose_batch(self, candidates: Sequence[tuple[Request, int]]) -> list[list[int]]:
+        """``propose`` for each ``(request, max_num_tokens)``, in order."""
+        return [self.propose(request, max_num_tokens) for request, max_num_tokens in candidates]
 
     def remove(self, request_id: str) -> None:
         """Forget a finished request's trie."""

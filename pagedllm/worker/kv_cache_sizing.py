@@ -33,10 +33,16 @@ def bytes_per_block(model: "LlamaForCausalLM", block_size: int, kv_cache_dtype: 
 
 
 def determine_num_blocks(model: "LlamaForCausalLM", args: EngineArgs, kv_cache_dtype: torch.dtype,
-                         other_ranks_memory: int = 0) -> int:
+                         other_ranks_memory: int = 0, draft_bytes_per_block: int = 0) -> int:
     """``num_gpu_blocks_override``, else ``kv_cache_memory_bytes`` in blocks, else what
     ``memory_utilization`` of the machine leaves after this process and one step's activation
     peak (profiled with a ``max_num_batched_tokens`` prefill).
+
+    With a draft model (``speculative_config`` method ``draft_model``, loaded before this is
+    called so that its weights count as used) each block of the target's pool has a twin in the
+    draft's (``draft_bytes_per_block``): the budget is split so that both pools get the number
+    returned. The draft's activation peak is not profiled: its forwards run between the
+    target's, and a draft is smaller.
 
     Under tensor parallelism (``model`` is rank 0's shard of ``args.tensor_parallel_size``)
     the budget is the machine's, shared by the ranks: a block costs every rank's part of it,
@@ -47,7 +53,7 @@ def determine_num_blocks(model: "LlamaForCausalLM", args: EngineArgs, kv_cache_d
         ValueError: a budget that holds no block.
     """
     tp_size = args.tensor_parallel_size
-    block_bytes = bytes_per_block(model, args.block_size, kv_cache_dtype) * tp_size
+    block_bytes = bytes_per_block(model, args.block_size, kv_cache_dtype) * tp_size + draft_bytes_per_block
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
     if args.kv_cache_memory_bytes is not None:

@@ -28,6 +28,7 @@ from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedllm.models.loader import (build_model, load_checkpoint, load_prequantized, load_tokenizer,
                                     resolve_model_path)
 from pagedllm.models.sharding import TensorParallelShard
+from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedllm.worker.kv_cache_sizing import bytes_per_block, determine_num_blocks
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -59,6 +60,8 @@ class Worker:
         self.tokenizer = tokenizer
         self.model_runner: Optional[ModelRunner] = None
         self.lora_manager: Optional[LoRAModelManager] = None
+        self.draft_model: Optional[LlamaForCausalLM] = None  # speculative_config's draft_model
+        self.drafter: Optional[DraftModelProposer] = None
         self._loaded: Optional[tuple] = None  # what read_checkpoint read, until load_model builds it
 
     def _check_shardable(self, config: LlamaConfig, quantization: Optional[str]) -> None:
@@ -124,6 +127,23 @@ class Worker:
             model.lm_head = None  # only rank 0 computes logits (a tied head's table stays: the embedding)
         self.model = model
         logger.info("rank %d: loaded %s in %.1f s", self.rank, path or "the checkpoint", time.perf_counter() - start)
+        speculative = self.args.speculative
+        if speculative is not None and speculative.method == "draft_model":
+            self.draft_model = self._load_draft_model(speculative.model, speculative.quantization)
+
+    def _load_draft_model(self, model: str, quantization: Optional[str]) -> LlamaForCausalLM:
+        """``speculative_config``'s draft model, read as ``load_format`` says, in the target's dtype."""
+        assert self.model is not None
+        dtype = self.model.dtype
+        if self.args.load_format == "dummy":
+            config, state_dict = load_dummy_checkpoint(model, dtype, self.args.seed)
+            prequantized = None
+        else:
+            path = resolve_model_path(model)
+            config, state_dict = load_checkpoint(path)
+            quantization, prequantized = load_prequantized(path, quantization)
+        calibration = calibration_token_ids(self.tokenizer, config.vocab_size) if quantization == "w8a8" else None
+        return build_model(config, state_dict, dtype, quantization, prequantized, calibration_token_ids=calibration)
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -140,7 +160,9 @@ class Worker:
         """How many KV blocks the budget holds (``worker/kv_cache_sizing.py``), counting
         ``other_ranks_memory`` resident bytes of the other ranks as used."""
         assert self.model is not None, "load_model first"
-        return determine_num_blocks(self.model, self.args, self.kv_cache_dtype, other_ranks_memory)
+        draft_bytes = (bytes_per_block(self.draft_model, self.args.block_size, self.kv_cache_dtype)
+                       if self.draft_model is not None else 0)
+        return determine_num_blocks(self.model, self.args, self.kv_cache_dtype, other_ranks_memory, draft_bytes)
 
     def initialize_cache(self, num_blocks: int, max_model_len: Optional[int] = None,
                          broadcast_steps: bool = False) -> None:
@@ -157,6 +179,10 @@ class Worker:
                                                  args.max_cpu_loras or args.max_loras)
         self.model_runner = ModelRunner(model, num_blocks, args.block_size, args.seed, self.kv_cache_dtype,
                                         broadcast_steps=broadcast_steps, lora_manager=self.lora_manager)
+        if self.draft_model is not None:
+            assert args.speculative is not None and max_model_len is not None
+            self.drafter = DraftModelProposer(args.speculative, self.draft_model, model.config, num_blocks, args,
+                                              self.kv_cache_dtype, max_model_len)
         if args.warm_kv_cache:
             start, warmed = time.perf_counter(), 0
             while (chunk := self.model_runner.warm_kv_cache(64 << 20)) > 0:
