@@ -105,13 +105,19 @@ class Worker:
 
     def load_model(self) -> None:
         """Build this rank's shard of the model (reading it first unless ``read_checkpoint``
-        did): the one loading path of every rank. A no-op when the model was given.
+        did), and ``speculative_config``'s draft model: the one loading path of every rank.
+        A given model is kept as it is.
 
         Raises:
             ValueError: the model cannot be found or built, or does not split over the ranks.
         """
-        if self.model is not None:
-            return
+        if self.model is None:
+            self._build_model()
+        speculative = self.args.speculative
+        if speculative is not None and speculative.method == "draft_model" and self.draft_model is None:
+            self.draft_model = self._load_draft_model(speculative.model, speculative.quantization)
+
+    def _build_model(self) -> None:
         start = time.perf_counter()
         self.read_checkpoint()
         assert self._loaded is not None
@@ -127,9 +133,6 @@ class Worker:
             model.lm_head = None  # only rank 0 computes logits (a tied head's table stays: the embedding)
         self.model = model
         logger.info("rank %d: loaded %s in %.1f s", self.rank, path or "the checkpoint", time.perf_counter() - start)
-        speculative = self.args.speculative
-        if speculative is not None and speculative.method == "draft_model":
-            self.draft_model = self._load_draft_model(speculative.model, speculative.quantization)
 
     def _load_draft_model(self, model: str, quantization: Optional[str]) -> LlamaForCausalLM:
         """``speculative_config``'s draft model, read as ``load_format`` says, in the target's dtype."""
