@@ -7,8 +7,8 @@ from pagedllm.llm import LLM
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from pagedllm.version import __version__
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
            "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "StructuredOutputsParams",
-           "GuidedDecodingParams", "LoRARequest"]
-__version__ = "0.1.0"
+           "GuidedDecodingParams", "LoRARequest", "__version__"]

@@ -55,7 +55,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import pagedllm
+from pagedllm.version import __version__
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.engine.llm_engine import LLMEngine
@@ -334,7 +334,7 @@ async def cancel(raw_request: Request, request_id: str = PathParam(
 
 @router.get("/version")
 async def version() -> dict:
-    return {"version": pagedllm.__version__}
+    return {"version": __version__}
 
 
 @router.get("/v1/models")
@@ -519,7 +519,7 @@ def build_app(engine: EngineClient, server_args: ServerArgs, api_keys: Optional[
     if with_priority and model_info.scheduling_policy != "priority":
         raise ValueError(f"API keys {with_priority} set a priority, which needs --scheduling-policy priority "
                          f"(the engine schedules {model_info.scheduling_policy!r})")
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    app = FastAPI(title="pagedllm", version=__version__)
     key_metrics = None
     if engine.metrics is not None:
         key_metrics = APIKeyMetrics(engine.metrics.registry, engine.metrics.model_name, names)
