@@ -150,7 +150,7 @@ def test_packing_is_chosen_by_cpu_vendor_and_dtype(vendor, dtype, packs, monkeyp
     if dtype == torch.bfloat16 and not linear_module._onednn_bf16_supported():
         pytest.skip("oneDNN runs no bf16 on this CPU (test_bf16_is_never_packed_where_onednn_cannot_run_it)")
     monkeypatch.delenv("PAGEDLLM_PACK_WEIGHTS", raising=False)
-    monkeypatch.setattr(linear_module, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(linear_module, "cpu_vendor", lambda: vendor)
     assert packing_available(dtype) is packs
     assert make_linear(dtype, bias=False).pack() is packs
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.layers.custom_op import CustomOp, native_ops
+from pagedllm.platform import cpu_vendor
 
 
 def packing_available(dtype: torch.dtype) -> bool:
@@ -54,23 +55,13 @@ def packing_available(dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.bfloat16:
         return _onednn_bf16_supported()
-    return setting is True or _cpu_vendor() != "GenuineIntel"
+    return setting is True or cpu_vendor() != "GenuineIntel"
 
 
 @functools.lru_cache(maxsize=1)
 def _onednn_bf16_supported() -> bool:
     """Whether oneDNN's bf16 kernels run on this CPU (torch's own check)."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_vendor() -> str:
-    """``vendor_id`` of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...; "" if unknown)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
 
 
 BF16_TILE = 32  # output channels per tile of the blocked bf16 layout
