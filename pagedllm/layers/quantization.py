@@ -32,7 +32,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.ops import native_ops
 
@@ -372,9 +371,6 @@ def w8a8_linear_torch(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     return (y if bias is None else y + bias).to(x.dtype)
 
 
-w8a8_linear = CustomOp("w8a8_linear", w8a8_linear_torch)
-
-
 class W8A8Linear(nn.Module):
     """``y ~= x @ W.T + bias`` in int8 x int8 (``quantization="w8a8"``): SmoothQuant (Xiao et al.
     2023, sections 3-4) with per-token dynamic activation scales, as vLLM's CPU W8A8 path.
@@ -436,7 +432,9 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """``x`` ``[M, K]`` float32 or bfloat16 -> ``[M, N]`` in ``out_dtype`` (default ``x``'s)."""
-        y = w8a8_linear(x, self.codes, self.scales, self.smooth_inv, self.bias)
+        ops = native_ops()
+        args = (self.codes, self.scales, self.smooth_inv, self.bias)
+        y = ops.w8a8_linear(x, *args) if ops is not None else w8a8_linear_torch(x, *args)
         return y if out_dtype is None else y.to(out_dtype)
 
     def extra_repr(self) -> str:
@@ -519,9 +517,6 @@ def w4a8_linear_torch(x: torch.Tensor, blocked: torch.Tensor, bias: Optional[tor
     return (y if bias is None else y + bias).to(x.dtype)
 
 
-w4a8_linear = CustomOp("w4a8_linear", w4a8_linear_torch)
-
-
 class W4A8Linear(nn.Module):
     """``y ~= x @ W.T + bias`` with 4-bit weights and int8 activations (``quantization="w4a8"``):
     GGUF ``Q4_1`` weights (group 32, fp16 scale and min) times activations quantized per token
@@ -557,7 +552,8 @@ class W4A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """``x`` ``[M, K]`` float32 or bfloat16 -> ``[M, N]`` in ``out_dtype`` (default ``x``'s)."""
-        y = w4a8_linear(x, self.blocked, self.bias)
+        ops = native_ops()
+        y = ops.w4a8_linear(x, self.blocked, self.bias) if ops is not None else w4a8_linear_torch(x, self.blocked, self.bias)
         return y if out_dtype is None else y.to(out_dtype)
 
     def extra_repr(self) -> str:
@@ -674,7 +670,8 @@ class Q8_0Linear(nn.Module):
         for ``x`` and ``x.float()``)."""
         if out_dtype == torch.float32:
             x = x.float()
-        y = w4a8_linear(x, self.blocked, self.bias)
+        ops = native_ops()
+        y = ops.w4a8_linear(x, self.blocked, self.bias) if ops is not None else w4a8_linear_torch(x, self.blocked, self.bias)
         return y if out_dtype is None else y.to(out_dtype)
 
     def extra_repr(self) -> str:
