@@ -21,10 +21,9 @@ import torch
 from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata, paged_attention
-from pagedllm.layers.custom_op import native_ops
 from pagedllm.layers.fused_decode import FusedDecode
 from pagedllm.layers.linear import Linear, packing_available
-from pagedllm.layers.ops import add_rms_norm_, rms_norm, rotary_embedding_, silu_and_mul
+from pagedllm.layers.ops import add_rms_norm_, native_ops, rms_norm, rotary_embedding_, silu_and_mul
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pagedllm.models.sharding import TensorParallelShard
 
