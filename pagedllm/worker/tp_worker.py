@@ -37,9 +37,9 @@ from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import TensorParallelError, data_timeout_s
 from pagedllm.distributed.shm_all_reduce import create_shm_file
 from pagedllm.models.sharding import TensorParallelShard
-from pagedllm.platform import numa_nodes, pin_threads, process_rss_bytes
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.step_inputs import broadcast_shutdown, receive_step
+from pagedllm.platform import numa_nodes, pin_threads, process_rss_bytes
 
 logger = logging.getLogger(__name__)
 
