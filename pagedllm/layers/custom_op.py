@@ -169,7 +169,9 @@ class CustomOp:
         raise NotImplementedError(f"{type(self).__name__} {self.name!r} has no torch formulation")
 
     def forward_cpu(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(native_ops(), self.name)(*args, **kwargs)
+        """The C++ op. Raises ``NativeOpsUnavailable`` (with the reason) where the library
+        cannot be loaded."""
+        return getattr(load_native_ops(), self.name)(*args, **kwargs)
 
     def dispatch_forward(self) -> Callable[..., Any]:
         """``forward_cpu`` (or the C++ op itself) where the library is loaded, else ``forward_native``.
