@@ -28,7 +28,7 @@ from pagedllm.huge_pages import move_weights_to_huge_pages
 from pagedllm.layers.linear import block_bf16
 from pagedllm.layers.ops import native_ops
 from pagedllm.layers.quantization import Int4Linear, W4A8Linear, block_w8a8, quantize_int4
-from pagedllm.worker.model_runner import _keep_freed_memory_mapped
+from pagedllm.platform import keep_freed_memory_mapped
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
 NUM_LAYERS = 30
@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    _keep_freed_memory_mapped()  # malloc as in the engine: freed activations reused, not unmapped
+    keep_freed_memory_mapped()  # malloc as in the engine: freed activations reused, not unmapped
     ops = native_ops()
     if ops is None:
         raise SystemExit("the C++ ops are not built here")

@@ -27,7 +27,7 @@ import torch
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantization import Int4Linear, Int8Linear
 from pagedllm.lora.layers import FUSED_MODULES, ExpandSlice, LoRAContext, LoRALinear, PackedLoRA, add_lora
-from pagedllm.worker.model_runner import _keep_freed_memory_mapped
+from pagedllm.platform import keep_freed_memory_mapped
 
 HIDDEN, Q, KV, INTERMEDIATE, NUM_LAYERS = 576, 576, 192, 1536, 30
 SLICES = {"self_attn.qkv_proj": (HIDDEN, [Q, KV, KV]), "self_attn.o_proj": (Q, [HIDDEN]),
@@ -104,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    _keep_freed_memory_mapped()
+    keep_freed_memory_mapped()
     print(f"{args.adapters} adapters of rank {args.rank} on every projection, 30 SmolLM2-135M layers, "
           f"{torch.get_num_threads()} threads; half the rows have an adapter")
     print("| dtype | base | rows | batched ms | per-adapter loop ms | loop / batched |")

@@ -27,7 +27,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks.throughput import single_stream_pagedllm
-from pagedllm.config import process_memory
+from pagedllm.platform import process_rss_bytes
 from pagedllm.utils import cdiv
 
 BLOCK_SIZE = 16
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
                      "build_s": time.perf_counter() - start, "threads": torch.get_num_threads()}
     print(f"built {args.config.stem} in {results['build_s']:.1f} s: weights {engine.weight_bytes / 2**30:.2f} GiB "
           f"({results['dtype']}, quantization {args.quantization}), KV pool {results['kv_pool_bytes'] / 2**30:.2f} GiB "
-          f"({results['kv_cache_dtype']}), process {process_memory() / 2**30:.2f} GiB")
+          f"({results['kv_cache_dtype']}), process {process_rss_bytes() / 2**30:.2f} GiB")
     single_stream(llm, _prompt(min(64, longest - 8), vocab_size, 999), 4)  # warm-up
     if args.num_requests:
         results["throughput"] = offline_throughput(llm, args.num_requests, args.prompt_len, args.output_len,
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
         results["single_stream"].append(row)
         print(f"context {context:>6}: TTFT {row['ttft_s']:.2f} s ({row['prefill_tokens_per_s']:.0f} prefill tok/s), "
               f"decode {row['decode_tokens_per_s']:.2f} tok/s")
-    results["peak_process_bytes"] = process_memory()
+    results["peak_process_bytes"] = process_rss_bytes()
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return results

@@ -6,12 +6,13 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
+
+from pagedllm.platform import cpu_flags, parse_cpu_list
 
 logger = logging.getLogger(__name__)
 
@@ -450,21 +451,6 @@ class EngineArgs:
         return dtype
 
 
-def parse_cpu_list(text: str) -> list[int]:
-    """A Linux CPU list (``0-3,8,10-11``, as in /sys/devices/system/node/node0/cpulist) as CPU ids.
-
-    Raises:
-        ValueError: not such a list.
-    """
-    cpus = []
-    for part in text.strip().split(","):
-        first, _, last = part.partition("-")
-        if not first.strip().isdigit() or last and not last.strip().isdigit():
-            raise ValueError(f"not a CPU list (like '0-3,8'): {text!r}")
-        cpus.extend(range(int(first), int(last or first) + 1))
-    return cpus
-
-
 def parse_tp_cores(text: str, tp_size: int) -> list[list[int]]:
     """``tp_cores`` (``'0-15;16-31'``) as one CPU id list per rank.
 
@@ -478,18 +464,6 @@ def parse_tp_cores(text: str, tp_size: int) -> list[list[int]]:
     if len({cpu for group in groups for cpu in group}) != sum(map(len, groups)):
         raise ValueError(f"tp_cores lists a CPU for two ranks: {text!r}")
     return groups
-
-
-def cpu_flags() -> set[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def default_cpu_dtype() -> torch.dtype:
@@ -515,39 +489,3 @@ def kv_cache_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, 
     """Bytes of one block: K and V, every layer, ``block_size`` tokens."""
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * kv_row_width(head_dim, dtype) * element_size
-
-
-def machine_memory(cgroup_dir: str = "/sys/fs/cgroup") -> tuple[int, int]:
-    """``(total, available)`` bytes of memory this process may use: /proc/meminfo's, capped by its
-    cgroup's memory limit less the cgroup's usage where a limit is set (cgroup v2 ``memory.max``,
-    v1 ``memory.limit_in_bytes``). In a container with a memory limit (a Kubernetes pod's
-    ``limits.memory``, ``docker run --memory``) /proc/meminfo shows the node's memory, and a KV
-    pool sized from it is OOM-killed."""
-    values = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, rest = line.split(":", 1)
-            values[key] = int(rest.split()[0]) * 1024
-    total, available = values["MemTotal"], values.get("MemAvailable", values["MemFree"])
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        try:
-            with open(os.path.join(cgroup_dir, limit_file)) as f:
-                limit = f.read().strip()
-            with open(os.path.join(cgroup_dir, usage_file)) as f:
-                usage = int(f.read())
-        except (OSError, ValueError):
-            continue
-        if limit != "max":  # v1's "no limit" is a huge number, which min() leaves out
-            total, available = min(total, int(limit)), min(available, max(0, int(limit) - usage))
-        break
-    return total, available
-
-
-def process_memory() -> int:
-    """Resident set size of this process in bytes."""
-    with open(f"/proc/{os.getpid()}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0

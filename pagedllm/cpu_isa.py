@@ -56,20 +56,14 @@ def built_variants() -> tuple[IsaVariant, ...]:
     return VARIANTS if platform.machine().lower() in ("x86_64", "amd64") else ()
 
 
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags from ``/proc/cpuinfo`` (empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
-
-
 def executable_variants(flags: frozenset[str] | None = None) -> list[IsaVariant]:
     """The built variants whose instructions ``flags`` (default: this CPU's) all include, lowest
     first."""
-    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        # Imported here: setup.py runs this file alone, without the pagedllm package.
+        from pagedllm.platform import cpu_flags
+
+        flags = cpu_flags()
     return [v for v in built_variants() if set(v.cpu_flags) <= flags]
 
 
@@ -86,7 +80,10 @@ def select_variant(flags: frozenset[str] | None = None, requested: str | None = 
         from pagedllm import envs
 
         requested = envs.PAGEDLLM_ISA
-    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        from pagedllm.platform import cpu_flags
+
+        flags = cpu_flags()
     runnable = executable_variants(flags)
     if requested:
         known = {v.name: v for v in built_variants()}

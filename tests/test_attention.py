@@ -15,7 +15,7 @@ from typing import Optional
 import pytest
 import torch
 
-from pagedllm.layers import ops as ops_module
+from pagedllm.layers import custom_op as ops_module
 from pagedllm.layers.attention import (AttentionMetadata, PrefillSequence, paged_attention,
                                        paged_decode_attention, paged_decode_attention_torch,
                                        prefill_attention, prefill_attention_sdpa, write_kv_cache)

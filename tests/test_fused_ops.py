@@ -117,21 +117,20 @@ def test_reshape_and_cache_writes_strided_rows_into_their_slots(native):
         native.reshape_and_cache_(key[:1], value[:1], key_cache, value_cache, torch.tensor([24]))
 
 
-def test_reshape_and_cache_rounds_fp32_rows_into_a_bf16_cache(native, monkeypatch):
+def test_reshape_and_cache_rounds_fp32_rows_into_a_bf16_cache(native):
     """Rounded to nearest even, bitwise as torch's .to(bfloat16), natively and in the fallback."""
     num_kv, head_dim = 2, 8
     key, value = randn(5, num_kv * head_dim, seed=2), randn(5, num_kv * head_dim, seed=3)
     slots = torch.tensor([3, 0, 17, 8, 22])
 
-    def write():
+    def write(reshape_and_cache_):
         caches = [torch.zeros(6, 4, num_kv, head_dim, dtype=torch.bfloat16) for _ in range(2)]
-        ops.reshape_and_cache_(key, value, *caches, slots)
+        reshape_and_cache_(key, value, *caches, slots)
         return [cache.view(-1, num_kv * head_dim)[slots] for cache in caches]
 
-    for cached, rows in zip(write(), (key, value)):
+    for cached, rows in zip(write(ops.reshape_and_cache_.forward_cpu), (key, value)):
         assert torch.equal(cached, rows.to(torch.bfloat16))
-    monkeypatch.setattr(ops, "native_ops", lambda: None)
-    for cached, rows in zip(write(), (key, value)):
+    for cached, rows in zip(write(ops.reshape_and_cache_.forward_native), (key, value)):
         assert torch.equal(cached, rows.to(torch.bfloat16))
     with pytest.raises(ValueError, match="the same, int8, or bfloat16 caches for float32 key/value"):
         native.reshape_and_cache_(key.bfloat16(), value.bfloat16(), torch.zeros(6, 4, num_kv, head_dim),
@@ -139,7 +138,7 @@ def test_reshape_and_cache_rounds_fp32_rows_into_a_bf16_cache(native, monkeypatc
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reshape_and_cache_quantizes_rows_into_an_int8_cache(native, monkeypatch, dtype):
+def test_reshape_and_cache_quantizes_rows_into_an_int8_cache(native, dtype):
     """kv_cache_dtype="int8": per token and KV head, codes round(x / scale) with scale =
     max |x| / 127 in the row's last 4 bytes; natively bitwise what the torch fallback writes.
     Each value comes back within half a step; a zero row comes back as zeros, a row holding
@@ -154,14 +153,13 @@ def test_reshape_and_cache_quantizes_rows_into_an_int8_cache(native, monkeypatch
     key[5, head_dim:2 * head_dim] = torch.tensor([127.0] + [k + 0.5 for k in range(-7, 8)])
     slots = torch.tensor([3, 0, 17, 8, 22, 11])
 
-    def write():
+    def write(reshape_and_cache_):
         caches = [torch.zeros(6, 4, num_kv, head_dim + 4, dtype=torch.int8) for _ in range(2)]
-        ops.reshape_and_cache_(key, value, *caches, slots)
+        reshape_and_cache_(key, value, *caches, slots)
         return caches
 
-    native_caches = write()
-    monkeypatch.setattr(ops, "native_ops", lambda: None)
-    torch_caches = write()
+    native_caches = write(ops.reshape_and_cache_.forward_cpu)
+    torch_caches = write(ops.reshape_and_cache_.forward_native)
     for native_cache, torch_cache, rows in zip(native_caches, torch_caches, (key, value)):
         assert torch.equal(native_cache, torch_cache)
         cached = native_cache.view(-1, num_kv, head_dim + 4)[slots]
@@ -176,13 +174,20 @@ def test_reshape_and_cache_quantizes_rows_into_an_int8_cache(native, monkeypatch
 
 
 def test_ops_fall_back_to_torch_without_the_extension(monkeypatch):
-    """With the extension unavailable every wrapper computes the same values in torch."""
+    """With the extension turned off every op computes the same values in torch."""
     x, weight = randn(5, 64), 1 + randn(64, seed=1) * 0.1
     expected = ops.rms_norm(x, weight, 1e-5)
-    monkeypatch.setattr(ops, "native_ops", lambda: None)
-    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), expected, **TOL[torch.float32])
-    gate_up = randn(3, 16)
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :8]) * gate_up[:, 8:])
+    assert ops.rms_norm._forward_method is ops.native_ops().rms_norm
+    monkeypatch.setenv("PAGEDLLM_NATIVE_OPS", "0")
+    ops.native_ops.cache_clear()
+    try:
+        torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), expected, **TOL[torch.float32])
+        assert ops.rms_norm._forward_method == ops.rms_norm.forward_native
+        gate_up = randn(3, 16)
+        torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :8]) * gate_up[:, 8:])
+    finally:
+        monkeypatch.delenv("PAGEDLLM_NATIVE_OPS")
+        ops.native_ops.cache_clear()
 
 
 @pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", [

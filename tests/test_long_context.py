@@ -11,9 +11,10 @@ import json
 import pytest
 import torch
 
-from pagedllm.config import EngineArgs, process_memory
+from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.layers.ops import native_ops
+from pagedllm.platform import process_rss_bytes
 from pagedllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
@@ -90,7 +91,7 @@ def test_chunked_prefill_of_a_32k_prompt_grows_memory_linearly(tmp_path):
     kv_pool_bytes = engine.num_blocks * engine.bytes_per_block
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")
-    before = process_memory()
+    before = process_rss_bytes()
     _, computed, _ = _answer(engine, "long", _ids(num_tokens, seed=4))
     growth = _peak_rss() - before
     assert computed == num_tokens

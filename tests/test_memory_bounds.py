@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from pagedllm import platform
 from pagedllm.worker import model_runner
 from tests.conftest import make_tiny_engine
 
@@ -21,7 +22,7 @@ def test_engine_bounds_onednn_primitive_caches(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     make_tiny_engine()
     for name in _CACHE_VARIABLES:
-        assert os.environ[name] == str(model_runner.ONEDNN_CACHE_CAPACITY)
+        assert os.environ[name] == str(platform.ONEDNN_CACHE_CAPACITY)
 
 
 def test_engine_keeps_a_user_set_onednn_cache_capacity(monkeypatch):
@@ -29,7 +30,7 @@ def test_engine_keeps_a_user_set_onednn_cache_capacity(monkeypatch):
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     make_tiny_engine()
     assert os.environ["LRU_CACHE_CAPACITY"] == "7"
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(model_runner.ONEDNN_CACHE_CAPACITY)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(platform.ONEDNN_CACHE_CAPACITY)
 
 
 def _resident_kib(tensor) -> int:
@@ -129,7 +130,7 @@ def test_warm_kv_cache_option_faults_the_pool_in_at_start():
 def test_machine_memory_is_capped_by_the_cgroup_memory_limit(tmp_path):
     """In a container with a memory limit /proc/meminfo shows the node's memory: the KV budget
     must come from the cgroup's limit less its usage (v2 ``memory.max``, v1 ``memory.limit_in_bytes``)."""
-    from pagedllm.config import machine_memory
+    from pagedllm.platform import machine_memory
 
     with open("/proc/meminfo") as f:
         meminfo_total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))

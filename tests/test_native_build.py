@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from pagedllm import cpu_isa
-from pagedllm.layers import ops as ops_module
-from pagedllm.layers.ops import NativeOpsUnavailable, native_ops
+from pagedllm.layers import custom_op as ops_module
+from pagedllm.layers.custom_op import NativeOpsUnavailable, native_ops
 
 ROOT = Path(__file__).resolve().parent.parent
 ZEN3 = frozenset("fpu sse2 avx avx2 fma f16c bmi1 bmi2 movbe".split())

@@ -169,9 +169,8 @@ def main() -> int:
     n_output = sum(r["output_len"] for r in data["requests"])
     print(f"workload: {len(data['requests'])} requests, {n_prompt} prompt tokens, {n_output} output tokens "
           f"(seed {args.workload_seed}), written to {workload_path}", flush=True)
-    from pagedllm.config import cpu_flags
-    model_name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                       if line.startswith("model name")), "unknown")
+    from pagedllm.platform import cpu_flags, cpu_model_name
+    model_name = cpu_model_name()
     units = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
              if f in cpu_flags()]
     print(f"machine: {os.cpu_count()} CPUs, {model_name}, flags: {' '.join(units) or 'none of bf16/VNNI/AMX'}",

@@ -50,7 +50,6 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable, Optional, Union
 
-from pagedllm.config import machine_memory
 from pagedllm.engine.kv_snapshot import KVCacheSnapshot
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.request_log import RequestLog
@@ -58,6 +57,7 @@ from pagedllm.engine.stats import LoadStats, LoadTracker, ModelInfo, SchedulerSt
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import RequestOutput
+from pagedllm.platform import machine_memory
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

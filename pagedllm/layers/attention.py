@@ -27,14 +27,14 @@ chooses it once, when it is built, by passing ``logit_softcap``.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.ops import dequantize_kv, native_ops, quantize_kv, reshape_and_cache_
+from pagedllm.layers.custom_op import CustomOp
+from pagedllm.layers.ops import dequantize_kv, quantize_kv, reshape_and_cache_
 
 
 @dataclass
@@ -175,27 +175,44 @@ def paged_decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
     return out.squeeze(2)
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
-    """Attention of one new token per sequence over its cached context, read in place.
+def _check_sliding_window(sliding_window: Optional[int]) -> None:
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 (or None), got {sliding_window}")
 
-    Runs the C++ kernel (``pagedllm/csrc/paged_attention.cpp``: one work item per sequence x
-    KV head, fp32 accumulation; a sliding window skips the blocks before it) when it is
-    available, else ``paged_decode_attention_torch``. Arguments and result as
+
+class PagedDecodeAttention(CustomOp):
+    """``paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale,
+    sliding_window=None)``: attention of one new token per sequence over its cached context,
+    read in place.
+
+    ``forward_cpu`` is the C++ kernel (``pagedllm/csrc/paged_attention.cpp``: one work item per
+    sequence x KV head, fp32 accumulation; a sliding window skips the blocks before it),
+    ``forward_native`` is ``paged_decode_attention_torch``. Arguments and result as
     ``paged_decode_attention_torch``.
 
     Raises:
         ValueError: ``sliding_window`` < 1.
     """
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 (or None), got {sliding_window}")
-    kernel = native_ops()
-    if kernel is None:
-        return paged_decode_attention_torch(query, key_cache, value_cache, block_tables,
-                                            context_lens, scale, sliding_window)
-    return kernel.paged_decode_attention(query, key_cache, value_cache, block_tables,
-                                         context_lens, scale, sliding_window or 0)
+
+    def __init__(self) -> None:
+        super().__init__("paged_decode_attention")
+
+    def forward_native(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                       sliding_window: Optional[int] = None) -> torch.Tensor:
+        _check_sliding_window(sliding_window)
+        return paged_decode_attention_torch(query, key_cache, value_cache, block_tables, context_lens, scale,
+                                            sliding_window)
+
+    def forward_cpu(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                    sliding_window: Optional[int] = None) -> torch.Tensor:
+        _check_sliding_window(sliding_window)
+        return torch.ops.pagedllm.paged_decode_attention(query, key_cache, value_cache, block_tables,
+                                                         context_lens, scale, sliding_window or 0)
+
+
+paged_decode_attention = PagedDecodeAttention()
 
 
 def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -210,30 +227,34 @@ def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.unsqueeze(0)
 
 
-@functools.lru_cache(maxsize=None)
-def _prefill_kernel_supports(head_dim: int) -> bool:
-    """Whether the built C++ ops have the prefill kernel for ``head_dim`` (call only with
-    ``native_ops()`` not None; the answer is fixed for the process's build)."""
-    return bool(native_ops().prefill_attention_supported(head_dim))
+class PrefillAttention(CustomOp):
+    """``prefill_attention(query, key, value, key_cache, value_cache, seq, scale,
+    sliding_window=None)``: causal attention of a chunk of ``q_len`` tokens over its cached
+    prefix and itself.
 
-
-def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      seq: PrefillSequence, scale: float,
-                      sliding_window: Optional[int] = None) -> torch.Tensor:
-    """Causal attention of a chunk of ``q_len`` tokens over its cached prefix and itself.
-
-    Runs the C++ kernel (``pagedllm/csrc/prefill_attention.cpp``: 16 x 16 tiles, online
-    softmax, K/V read through ``seq.block_table``) where the build has it (AVX-512, head_dim 64,
-    128 or 256) and no sliding window cuts the context; otherwise ``prefill_attention_sdpa``.
-    Arguments and result as ``prefill_attention_sdpa``.
+    ``forward_cpu`` runs the C++ kernel (``pagedllm/csrc/prefill_attention.cpp``: 16 x 16
+    tiles, online softmax, K/V read through ``seq.block_table``) where the build has it
+    (AVX-512, head_dim 64, 128 or 256) and no sliding window cuts the context, and
+    ``prefill_attention_sdpa`` (``forward_native``) otherwise. Arguments and result as
+    ``prefill_attention_sdpa``.
     """
-    kernel = native_ops()
-    if (kernel is not None and (sliding_window is None or sliding_window >= seq.context_len)
-            and _prefill_kernel_supports(query.shape[2])):
-        return kernel.paged_prefill_attention(query, key_cache, value_cache, seq.block_table,
-                                              seq.context_len, scale)
-    return prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale, sliding_window)
+
+    def __init__(self) -> None:
+        super().__init__("paged_prefill_attention", prefill_attention_sdpa)
+        self._kernel_head_dims: dict[int, bool] = {}  # fixed for the process's build
+
+    def forward_cpu(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor, seq: PrefillSequence, scale: float,
+                    sliding_window: Optional[int] = None) -> torch.Tensor:
+        head_dim = query.shape[2]
+        supported = self._kernel_head_dims.get(head_dim)
+        if supported is None:
+            supported = self._kernel_head_dims[head_dim] = bool(
+                torch.ops.pagedllm.prefill_attention_supported(head_dim))
+        if supported and (sliding_window is None or sliding_window >= seq.context_len):
+            return torch.ops.pagedllm.paged_prefill_attention(query, key_cache, value_cache, seq.block_table,
+                                                              seq.context_len, scale)
+        return prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale, sliding_window)
 
 
 def prefill_attention_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -302,6 +323,9 @@ def prefill_attention_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.
                                          _expand_kv_heads(values, group), attn_mask=mask,
                                          scale=scale)
     return out[0].transpose(0, 1)
+
+
+prefill_attention = PrefillAttention()
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.layers.ops import native_ops
+from pagedllm.layers.custom_op import native_ops
 from pagedllm.layers.quantization import KERNEL_MAX_ROWS
 
 

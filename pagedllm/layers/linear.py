@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import envs
-from pagedllm.layers.ops import native_ops
+from pagedllm.layers.custom_op import CustomOp, native_ops
+from pagedllm.platform import cpu_vendor
 
 
 def packing_available(dtype: torch.dtype) -> bool:
@@ -54,23 +55,13 @@ def packing_available(dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.bfloat16:
         return _onednn_bf16_supported()
-    return setting is True or _cpu_vendor() != "GenuineIntel"
+    return setting is True or cpu_vendor() != "GenuineIntel"
 
 
 @functools.lru_cache(maxsize=1)
 def _onednn_bf16_supported() -> bool:
     """Whether oneDNN's bf16 kernels run on this CPU (torch's own check)."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_vendor() -> str:
-    """``vendor_id`` of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...; "" if unknown)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
 
 
 BF16_TILE = 32  # output channels per tile of the blocked bf16 layout
@@ -87,6 +78,33 @@ def unblock_bf16(blocked: torch.Tensor) -> torch.Tensor:
     """The inverse of ``block_bf16``: the ``[N, K]`` weight (a copy)."""
     tiles, half, tile, _ = blocked.shape
     return blocked.permute(0, 2, 1, 3).reshape(tiles * tile, half * 2)
+
+
+class BF16LinearOp(CustomOp):
+    """``bf16_linear(x, blocked, bias, fp32_out)``: ``x @ W.T + bias`` for a bf16 weight ``W``
+    laid out by ``block_bf16``; ``x`` ``[rows, K]`` bf16, ``bias`` ``[N]`` or None. The result is
+    ``[rows, N]`` bf16, or with ``fp32_out`` the fp32 sums unrounded (the LM head's logits).
+
+    ``forward_cpu`` is the C++ ``bf16_linear`` (``csrc/quant_gemm.cpp``); ``forward_native``
+    multiplies by the unblocked weight (the path of the tests that turn the C++ ops off after
+    a model was packed).
+    """
+
+    def __init__(self) -> None:
+        super().__init__("bf16_linear")
+
+    def forward_native(self, x: torch.Tensor, blocked: torch.Tensor, bias: Optional[torch.Tensor],
+                       fp32_out: bool = False) -> torch.Tensor:
+        if fp32_out:
+            return F.linear(x.float(), unblock_bf16(blocked).float(), None if bias is None else bias.float())
+        return F.linear(x, unblock_bf16(blocked), bias)
+
+    def forward_cpu(self, x: torch.Tensor, blocked: torch.Tensor, bias: Optional[torch.Tensor],
+                    fp32_out: bool = False) -> torch.Tensor:
+        return torch.ops.pagedllm.bf16_linear(x, blocked, bias, False, fp32_out)
+
+
+bf16_linear = BF16LinearOp()
 
 
 class Linear(nn.Module):
@@ -154,13 +172,7 @@ class Linear(nn.Module):
         ``out_dtype=torch.float32``: bf16 tiles then hand over their fp32 sums unrounded (the LM
         head's logits); the other paths compute in ``x``'s dtype and convert."""
         if self.blocked is not None:
-            ops = native_ops()
-            if ops is None:  # the ops turned off after packing (tests): the same product in torch
-                if out_dtype == torch.float32:
-                    bias = None if self.bias is None else self.bias.float()
-                    return F.linear(x.float(), unblock_bf16(self.blocked).float(), bias)
-                return F.linear(x, unblock_bf16(self.blocked), self.bias)
-            return ops.bf16_linear(x, self.blocked, self.bias, False, out_dtype == torch.float32)
+            return bf16_linear(x, self.blocked, self.bias, out_dtype == torch.float32)
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         elif self.bias is None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import numpy as np
 
 from pagedllm.config import kv_cache_bytes_per_block
+from pagedllm.platform import cpu_model_name
 
 if TYPE_CHECKING:
     from pagedllm.core.request import Request
@@ -215,17 +215,6 @@ def fit_coefficients(shapes: Sequence[StepShape], times: Sequence[float], iterat
     return {name: float(value) for name, value in zip(FEATURES, solution)}
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def calibration_workload(vocab_size: int, max_num_seqs: int, max_len: int,
                          seed: int = 0) -> list[list[tuple[list[int], int]]]:
     """Phases of ``(prompt token ids, max_tokens)`` requests, each phase run to completion:
@@ -311,7 +300,7 @@ def calibrate(engine: "LLMEngine", default_kv_cache_bytes: Optional[int] = None,
     relative = np.abs(predicted - measured) / measured
     import torch
     model.calibration = {
-        "cpu": _cpu_name(), "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "steps": len(times),
+        "cpu": cpu_model_name(), "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "steps": len(times),
         "seconds": round(time.perf_counter() - start, 1),
         "median_relative_error": round(float(np.median(relative)), 4),
         "total_time_error": round(float(predicted.sum() / measured.sum() - 1), 4),

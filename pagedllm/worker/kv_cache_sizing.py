@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.config import EngineArgs, kv_cache_bytes_per_block, machine_memory, process_memory
+from pagedllm.config import EngineArgs, kv_cache_bytes_per_block
 from pagedllm.core.scheduled_batch import SamplingInput, ScheduledBatch, ScheduledRequest
 from pagedllm.distributed.parallel_state import collectives_disabled
+from pagedllm.platform import machine_memory, peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
 from pagedllm.worker.model_runner import ModelRunner
@@ -60,7 +61,7 @@ def determine_num_blocks(model: "LlamaForCausalLM", args: EngineArgs, kv_cache_d
         budget = args.kv_cache_memory_bytes
     else:
         total, available = machine_memory()
-        used = process_memory() + other_ranks_memory
+        used = process_rss_bytes() + other_ranks_memory
         with collectives_disabled():
             peak = profile_activation_peak(model, args, kv_cache_dtype) * tp_size
         allowed = min(args.memory_utilization * total, used + available)
@@ -81,13 +82,8 @@ def profile_activation_peak(model: "LlamaForCausalLM", args: EngineArgs, kv_cach
                          kv_cache_dtype=kv_cache_dtype)
     request = ScheduledRequest("profile", [0] * num_tokens, 0, list(range(runner.num_blocks)),
                                (SamplingInput("profile", SamplingParams(max_tokens=1)),))
-    before = process_memory()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM, the peak resident set size
-    except OSError:
-        pass
+    before = process_rss_bytes()
+    reset_peak_rss()
     runner.execute_model(ScheduledBatch([request]))
-    with open("/proc/self/status") as f:
-        peak = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), before)
-    return max(0, peak - before)
+    peak = peak_rss_bytes()
+    return max(0, (before if peak is None else peak) - before)

@@ -5,10 +5,7 @@ Mechanism only: the scheduler has decided who runs and how many tokens each comp
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -23,6 +20,7 @@ from pagedllm.layers.ops import native_ops
 from pagedllm.lora.manager import LoRAMapping, LoRAModelManager
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.outputs import TokenLogprobs
+from pagedllm.platform import tune_allocator
 from pagedllm.worker.rejection_sampler import rejection_sample
 from pagedllm.worker.step_inputs import StepInputs, broadcast_step
 from pagedllm.worker.sampler import SamplingMetadata, compute_logprobs, gather_logprobs, sample
@@ -109,8 +107,7 @@ class ModelRunner:
         # Seeded sequences' own random streams, by request id (vLLM keeps them in its InputBatch).
         self._generators: dict[RequestId, torch.Generator] = {}
         self._warmed = 0  # slices of KV_WARM_SLICE bytes done by warm_kv_cache, all regions in turn
-        _keep_freed_memory_mapped()
-        _bound_onednn_caches()
+        tune_allocator()
         # Build or load the C++ ops now, not inside the first request's step
         # (a first build takes tens of seconds; even loading a cached one takes a moment).
         native_ops()
@@ -367,46 +364,4 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return huge_page_zeros(nbytes).view(dtype).view(shape)
 
 
-ONEDNN_CACHE_CAPACITY = 128
 KV_WARM_SLICE = 2 << 20  # bytes per madvise of ModelRunner.warm_kv_cache: one huge page
-
-
-def _bound_onednn_caches() -> None:
-    """Keep at most ``ONEDNN_CACHE_CAPACITY`` oneDNN matmuls per cache (defaults: 1024).
-
-    A bfloat16 ``torch.mm`` runs through oneDNN, which builds one primitive (JIT code and
-    scratchpad, ~0.3 MB) per (rows, weight shape) and keeps it in two LRU caches: oneDNN's own
-    (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and ideep's (``LRU_CACHE_CAPACITY``). A server's
-    batches have ever new row counts (running sequences, prefill chunks), so both fill up:
-    under the soak of issue 19 (SmolLM2 bf16, 43-block pool) RSS rose from 698 to 1,479 MiB
-    over 2,100 requests, with malloc's in-use bytes growing alike and Python's objects flat;
-    a bf16 ``torch.mm`` over 4 weight shapes at random row counts (1-300) alone went from 87
-    to 672 MiB in use, 158 MiB with both capacities at 128. A miss costs ~0.6 ms per weight
-    shape, once per step whose row count is new; 128 entries still hold every shape of the
-    last ~25 row counts. Both are read at the first oneDNN matmul of the process, so this has
-    no effect when one ran earlier; a value already in the environment is kept
-    (``LRU_CACHE_CAPACITY=0`` crashes ideep, so use 1 or more).
-    """
-    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-        os.environ.setdefault(name, str(ONEDNN_CACHE_CAPACITY))
-
-
-@functools.lru_cache(maxsize=1)
-def _keep_freed_memory_mapped() -> None:
-    """Make glibc malloc reuse freed activation memory instead of returning it to the OS.
-
-    By default glibc serves allocations above a (dynamic) threshold with fresh ``mmap``s and
-    unmaps them on free, so every large activation of every step page-faults anew and the
-    kernel zeroes it: measured on a 2048-token prefill step of SmolLM2 (fp32, 1 thread)
-    ~370k page faults and ~1.3 s of the step's 5.9 s CPU time, gone with these settings.
-    (vLLM's CPU backend preloads tcmalloc for the same reason.) Tensors above 32 MiB (glibc's
-    cap on the threshold), such as the KV cache, still get their own lazily mapped pages.
-    A no-op where the C library has no ``mallopt``.
-    """
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own C library
-    if mallopt is None:
-        return
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    mallopt(m_mmap_threshold, 32 * 2**20)
-    mallopt(m_trim_threshold, 2**30)
-    mallopt(m_top_pad, 64 * 2**20)

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from pagedllm.layers.ops import native_ops
+from pagedllm.layers.ops import argmax_logsumexp
 from pagedllm.worker.sampler import SamplingMetadata, inverse_cdf_draw, process_logits, sampling_probs
 
 
@@ -55,9 +55,8 @@ def rejection_sample(logits: torch.Tensor, meta: SamplingMetadata, draft_token_i
                          f"(drafts + 1 per request)")
     logits = logits.float()
     processed = process_logits(logits, meta)
-    ops = native_ops() if processed.stride(-1) == 1 else None
     # The argmax the non-speculative sampler takes, so greedy output is the same token for token.
-    argmax = (ops.argmax_logsumexp(processed)[0] if ops is not None else processed.argmax(dim=-1)).tolist()
+    argmax = argmax_logsumexp(processed)[0].tolist()
     probs = None if meta.all_greedy else sampling_probs(processed, meta)
     generators = meta.generators or {}
     greedy = meta.greedy.tolist()

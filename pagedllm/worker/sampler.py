@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from pagedllm.core.scheduled_batch import SamplingInput
-from pagedllm.layers.ops import native_ops
+from pagedllm.layers.ops import argmax_logsumexp
 from pagedllm.structured_output import apply_token_bitmask
 
 # Floor of reported logprobs: a finite number JSON can carry (OpenAI's convention for -inf).
@@ -401,15 +401,9 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
     """
     logits = logits.float()
     processed = process_logits(logits, meta)
-    ops = native_ops() if processed.stride(-1) == 1 else None
-    log_norm = None
-    if ops is not None:
-        # One C++ pass for the argmax and, when nothing changed the logits, the logsumexp.
-        token_ids, processed_log_norm = ops.argmax_logsumexp(processed)
-        if processed is logits:
-            log_norm = processed_log_norm
-    else:
-        token_ids = processed.argmax(dim=-1)
+    # One C++ pass for the argmax and, when nothing changed the logits, the logsumexp.
+    token_ids, processed_log_norm = argmax_logsumexp(processed)
+    log_norm = processed_log_norm if processed is logits else None
     if not meta.all_greedy:
         uniform = torch.rand(processed.shape[0], generator=generator)
         for row, row_generator in (meta.generators or {}).items():

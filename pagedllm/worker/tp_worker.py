@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import glob
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import platform
-import re
 import signal
 import socket
 import threading
@@ -34,11 +32,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from pagedllm.config import EngineArgs, parse_cpu_list, parse_tp_cores
+from pagedllm.config import EngineArgs, parse_tp_cores
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import TensorParallelError, data_timeout_s
 from pagedllm.distributed.shm_all_reduce import create_shm_file
 from pagedllm.worker.step_inputs import broadcast_shutdown, receive_step
+from pagedllm.platform import numa_nodes, pin_threads, process_rss_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +58,7 @@ def rank_cpus(tp_size: int, tp_cores: Optional[str] = None) -> list[list[int]]:
     if tp_cores is not None:
         return parse_tp_cores(tp_cores, tp_size)
     allowed = sorted(os.sched_getaffinity(0))
-    nodes = []
-    for path in sorted(glob.glob("/sys/devices/system/node/node[0-9]*/cpulist"),
-                       key=lambda p: int(re.search(r"node(\d+)/", p).group(1))):
-        with open(path) as f:
-            text = f.read().strip()
-        cpus = [cpu for cpu in parse_cpu_list(text) if cpu in allowed] if text else []
-        if cpus:
-            nodes.append(cpus)
+    nodes = numa_nodes(set(allowed))
     if len(nodes) >= tp_size and len(nodes) % tp_size == 0:
         per_rank = len(nodes) // tp_size
         return [sum(nodes[r * per_rank:(r + 1) * per_rank], []) for r in range(tp_size)]
@@ -77,24 +69,10 @@ def rank_cpus(tp_size: int, tp_cores: Optional[str] = None) -> list[list[int]]:
     return [allowed[r * per_rank:(r + 1) * per_rank] for r in range(tp_size)]
 
 
-def pin_threads(cpus: list[int]) -> None:
-    """Run this process (its OpenMP pool included) on ``cpus``, one torch thread per CPU."""
-    os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(len(cpus))
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _rss_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
-    except OSError:
-        return 0
 
 
 def _broadcast_int(value: int) -> int:
@@ -225,7 +203,7 @@ class TensorParallelWorkers:
         """
         self._collective(lambda: dist.barrier(group=parallel_state.control_group()))
         self._unlink_shm_file()  # every rank has mapped it: it goes when the last mapping does
-        return sum(_rss_bytes(process.pid) for process in self.processes)
+        return sum(process_rss_bytes(process.pid) for process in self.processes)
 
     def allocate_kv_caches(self, num_blocks: int) -> None:
         """Have every worker allocate its ``num_blocks``-block KV cache and wait until it did."""
