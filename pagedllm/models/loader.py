@@ -492,9 +492,10 @@ def _gguf_moe_config(reader, arch: str, model_type: str, names: set[str], num_la
     """
     experts = _gguf_field(reader, f"{arch}.expert_count", 0)
     used = _gguf_field(reader, f"{arch}.expert_used_count")
-    if not experts or used is None:
-        raise ValueError(f"GGUF {arch}: a mixture-of-experts file needs {arch}.expert_count and "
-                         f"{arch}.expert_used_count, got {experts} and {used}")
+    if not experts:
+        raise ValueError(f"GGUF {arch}: {arch}.expert_count is missing (a mixture-of-experts architecture)")
+    if used is None:
+        raise ValueError(f"GGUF {arch}.expert_count={experts} needs {arch}.expert_used_count (experts per token)")
     dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
     if dense and model_type != "qwen3_moe":
         raise ValueError(f"GGUF {arch}.expert_count={experts}: layers {dense} have no experts "
