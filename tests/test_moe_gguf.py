@@ -3,7 +3,11 @@ writes them (convert_hf_to_gguf.py ``Qwen3MoeModel``, ``LlamaModel`` for Mixtral
 each layer's experts stacked in one ``blk.N.ffn_{gate,up,down}_exps.weight``), against Hugging
 Face transformers fp32.
 
-The expert tensors are stored as F16 (gate), BF16 (up) and Q8_0 (down), the rest F32. The
+Each file goes through the loader's whole conversion (``model_folder``), tokenizer included: a
+byte-level BPE vocabulary of the 256 bytes (``tokenizer.ggml.model`` ``gpt2``), which
+transformers converts for ``qwen3moe`` and ``llama`` but refuses for ``olmoe`` (the loader copies
+the keys into a ``llama`` file for it). The expert tensors are stored as F16 (gate), BF16 (up)
+and Q8_0 (down), the rest F32. The
 reference model's experts are those values (each weight rounded through the type and back), so
 the comparison is as exact as the HF-folder one: greedy tokens equal and prompt logprobs within
 ``LOGPROB_TOL`` (1e-4, tests/test_model_families.py).
@@ -15,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.models.loader import _read_gguf, build_model
+from pagedllm.models.loader import _read_gguf, build_model, load_checkpoint, load_tokenizer
 from pagedllm.models.moe import SparseMoeBlock
-from tests.test_model_families import assert_parity, load_gguf, random_prompts, save_tiny_hf, write_gguf
+from tests.test_model_families import VOCAB, assert_parity, random_prompts, save_tiny_hf, write_gguf
 from tests.test_moe import FAMILIES
 
 GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
@@ -28,6 +32,13 @@ def expert_types():
 
     return {"ffn_gate_exps": gguf.GGMLQuantizationType.F16, "ffn_up_exps": gguf.GGMLQuantizationType.BF16,
             "ffn_down_exps": gguf.GGMLQuantizationType.Q8_0}
+
+
+def byte_vocabulary() -> list[str]:
+    """GPT-2's byte-level alphabet: token ``i`` is byte ``i``."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return list(bytes_to_unicode().values())
 
 
 def moe_metadata(family: str, config) -> dict:
@@ -65,20 +76,25 @@ def write_moe_gguf(family: str, tmp_path):
     config = hf.config
     tensor_types = {f"blk.{i}.{kind}.weight": qtype for i in range(config.num_hidden_layers)
                     for kind, qtype in expert_types().items()}
+    assert config.vocab_size == VOCAB == 256
+    tokenizer = {"add_tokenizer_model": "gpt2", "add_tokenizer_pre": "default", "add_token_list": byte_vocabulary(),
+                 "add_token_types": [1] * VOCAB, "add_token_scores": [0.0] * VOCAB, "add_eos_token_id": 0}
     path = tmp_path / "m.gguf"
-    write_gguf(path, GGUF_ARCHITECTURES[family], hf, moe_metadata(family, config), state_dict=state_dict,
-               tensor_types=tensor_types)
+    write_gguf(path, GGUF_ARCHITECTURES[family], hf, {**moe_metadata(family, config), **tokenizer},
+               state_dict=state_dict, tensor_types=tensor_types)
     return hf, path
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_moe_gguf_equals_transformers(family, tmp_path):
+def test_moe_gguf_equals_transformers(family, tmp_path, monkeypatch):
     import gguf
 
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     hf, path = write_moe_gguf(family, tmp_path)
     assert {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors if "_exps" in t.name} == {
         "F16", "BF16", "Q8_0"}
-    config, state_dict = load_gguf(path)
+    config, state_dict = load_checkpoint(path)
+    assert load_tokenizer(path)("hello").input_ids == [byte_vocabulary().index(c) for c in "hello"]
     overrides = FAMILIES[family]
     assert (config.architecture, config.num_experts, config.num_experts_per_tok) == (
         family, overrides.get("num_experts", overrides.get("num_local_experts")), overrides["num_experts_per_tok"])

@@ -89,6 +89,9 @@ _GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3
 # ``build_moe_ffn``, used when the file has no ``{arch}.expert_weights_norm``). llama.cpp
 # writes Mixtral as ``llama`` with ``llama.expert_count`` set.
 _GGUF_MOE_ARCHITECTURES = {"llama": ("mixtral", True), "qwen3moe": ("qwen3_moe", True), "olmoe": ("olmoe", False)}
+# model_types whose GGUF tokenizer transformers will not convert: its GGUF support refuses an
+# architecture it has no model mapping for, even to read the tokenizer alone.
+_GGUF_TOKENIZER_ONLY_MODEL_TYPES = ("olmoe",)
 # llama.cpp's per-frequency longrope factors (Phi-3): GGUF tensor -> the loader's config key.
 _GGUF_ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "rope_long_factor",
                              "rope_factors_short.weight": "rope_short_factor"}
@@ -142,7 +145,6 @@ def model_folder(path: Path) -> Path:
         _remove_older_conversions(folder, path.name)
         return folder
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
 
     _remove_abandoned_conversions(folder.parent)
     logger.info("converting %s to %s (once)", path, folder)
@@ -154,8 +156,7 @@ def model_folder(path: Path) -> Path:
         save_file(state_dict, str(tmp / "model.safetensors"))
         del state_dict
         save_file(_pack_int4(int4_weights), str(tmp / INT4_FILE))
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tokenizer.save_pretrained(str(tmp))
+        _load_gguf_tokenizer(path, raw_config["model_type"]).save_pretrained(str(tmp))
         (tmp / "conversion_version").write_text(str(_CONVERSION_VERSION))
         (tmp / "complete").write_text(str(path))
         tmp.rename(folder)
@@ -167,6 +168,34 @@ def model_folder(path: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     _remove_older_conversions(folder, path.name)
     return folder
+
+
+def _load_gguf_tokenizer(path: Path, model_type: str):
+    """transformers' tokenizer (with chat template) from the ``tokenizer.*`` metadata of the GGUF
+    at ``path``. For a ``model_type`` in ``_GGUF_TOKENIZER_ONLY_MODEL_TYPES`` those keys are first
+    copied into a tensor-less GGUF that says ``llama``: the conversion follows
+    ``tokenizer.ggml.model`` (``gpt2``, ``llama``, ...), not the architecture."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    if model_type not in _GGUF_TOKENIZER_ONLY_MODEL_TYPES:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    with tempfile.TemporaryDirectory() as scratch:
+        writer = gguf.GGUFWriter(str(Path(scratch) / "tokenizer.gguf"), "llama")
+        for field in reader.fields.values():
+            if field.name.startswith("tokenizer."):
+                kind = field.types[0]
+                writer.add_key_value(field.name, field.contents(), kind,
+                                     field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return AutoTokenizer.from_pretrained(scratch, gguf_file="tokenizer.gguf")
 
 
 def _content_key(path: Path) -> str:
