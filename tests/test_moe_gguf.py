@@ -110,7 +110,7 @@ def test_moe_gguf_equals_transformers(family, tmp_path, monkeypatch):
 def test_moe_gguf_router_metadata(tmp_path):
     """``expert_weights_norm`` overrides llama.cpp's per-architecture default (the file states
     ``norm_topk_prob``); a router llama.cpp would scale or gate otherwise, or shared experts, are
-    refused by name; Mixtral layers without experts are refused."""
+    refused by name; Mixtral layers without experts, and ``clamp_kqv`` outside OLMoE, are refused."""
     import gguf
 
     _SIGMOID = gguf.ExpertGatingFuncType.SIGMOID
@@ -131,6 +131,10 @@ def test_moe_gguf_router_metadata(tmp_path):
     dense = save_tiny_hf("llama", tmp_path / "llama", num_hidden_layers=1)
     write_gguf(tmp_path / "dense.gguf", "llama", dense, {"add_expert_count": 4, "add_expert_used_count": 2})
     with pytest.raises(ValueError, match=r"llama.expert_count=4: layers \[0\] have no experts"):
+        _read_gguf(tmp_path / "dense.gguf")
+    # Clipping q/k/v is OLMoE's only (ignored, before, for every architecture).
+    write_gguf(tmp_path / "dense.gguf", "llama", dense, {"add_clamp_kqv": 8.0})
+    with pytest.raises(ValueError, match=r"llama.attention.clamp_kqv=8.0 is not supported"):
         _read_gguf(tmp_path / "dense.gguf")
 
 
