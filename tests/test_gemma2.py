@@ -17,6 +17,7 @@ import torch
 
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence, paged_attention
 from pagedllm.models.loader import build_model, load_checkpoint
+from tests.gguf_writer import GGUF_GLOBAL_NAMES, hf_metadata, write_gguf_file
 from tests.test_model_families import (LOGPROB_TOL, assert_parity, hf_reference, load_gguf, pagedllm_run,
                                        random_prompts, save_tiny_hf)
 
@@ -78,45 +79,27 @@ def test_softcapped_decode_equals_softcapped_prefill():
 
 def write_gemma2_gguf(path, hf) -> None:
     """``hf`` as llama.cpp's ``Gemma2Model`` converter writes it (fp32, no tokenizer)."""
-    import gguf
-
     c = hf.config
-    writer = gguf.GGUFWriter(str(path), "gemma2")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
-    writer.add_final_logit_softcapping(c.final_logit_softcapping)
-    writer.add_sliding_window(c.sliding_window)
-    writer.add_vocab_size(c.vocab_size)
+    metadata = hf_metadata(c, add_key_length=c.head_dim, add_value_length=c.head_dim,
+                           add_attn_logit_softcapping=c.attn_logit_softcapping,
+                           add_final_logit_softcapping=c.final_logit_softcapping, add_sliding_window=c.sliding_window)
     names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
              "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down"}
+    tensors = []
     for name, tensor in hf.state_dict().items():
         array = tensor.float().numpy() + (1 if name.endswith("norm.weight") else 0)
         if name == "lm_head.weight":
             continue
-        if name == "model.embed_tokens.weight":
-            writer.add_tensor("token_embd.weight", array)
-        elif name == "model.norm.weight":
-            writer.add_tensor("output_norm.weight", array)
+        if name in GGUF_GLOBAL_NAMES:
+            tensors.append((GGUF_GLOBAL_NAMES[name], array))
         else:
             layer, rest = name[len("model.layers."):].split(".", 1)
             module, kind = rest.rsplit(".", 1)
-            writer.add_tensor(f"blk.{layer}.{names[module]}.{kind}", array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            tensors.append((f"blk.{layer}.{names[module]}.{kind}", array))
+    write_gguf_file(path, "gemma2", metadata, tensors)
 
 
 def test_gemma2_gguf_equals_transformers(tmp_path):

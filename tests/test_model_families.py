@@ -23,6 +23,7 @@ from pagedllm.models.llama import rope_inverse_frequencies
 from pagedllm.models.loader import MODEL_CLASSES, build_model, load_checkpoint
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
+from tests.gguf_writer import GGUF_GLOBAL_NAMES, hf_metadata, write_gguf_file
 
 VOCAB = 256
 MAX_TOKENS = 8
@@ -268,13 +269,15 @@ def test_json_round_trip_of_a_real_llama31_config(tmp_path):
 
 
 # ------------------------------------------------------------------------------ GGUF
-_HF_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-               "lm_head.weight": "output.weight"}
 _HF_TO_GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                      "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                      "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                      "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
-                     "self_attn.k_norm": "attn_k_norm"}
+                     "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+                     "block_sparse_moe.gate": "ffn_gate_inp"}
+# An expert's projection (Qwen3-MoE/OLMoE names, then Mixtral's) -> the GGUF tensor stacking all experts'.
+_HF_TO_GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                       "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -284,48 +287,39 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
         .reshape(weight.shape)
 
 
-def write_gguf(path, arch: str, hf, extra=None, extra_tensors=None) -> None:
-    """``hf`` as llama.cpp's converter writes it (fp32 tensors, no tokenizer): hyper-parameters
-    under ``{arch}.``, Q/K rows permuted for ``llama``, and for llama3 RoPE the
-    ``rope_freqs.weight`` divisors (``LlamaModel.generate_extra_tensors``)."""
-    import gguf
-
+def write_gguf(path, arch: str, hf, extra=None, extra_tensors=None, state_dict=None, tensor_types=None) -> None:
+    """``hf`` as llama.cpp's converter writes it (fp32 tensors unless ``tensor_types`` says, no
+    tokenizer): hyper-parameters under ``{arch}.``, Q/K rows permuted for ``llama``, for llama3
+    RoPE the ``rope_freqs.weight`` divisors (``LlamaModel.generate_extra_tensors``), and each
+    layer's experts stacked into one ``[num_experts, out, in]`` tensor per projection
+    (``Qwen2MoeModel.modify_tensors``). ``state_dict``: the tensors by checkpoint name (the saved
+    file's, which for MoE models names each expert; default ``hf.state_dict()``)."""
     c = hf.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_dimension_count(c.head_dim)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_vocab_size(c.vocab_size)
-    for key, value in (extra or {}).items():
-        getattr(writer, key)(value)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # Mixtral: None; OLMoE: absent
+    metadata = hf_metadata(c, add_key_length=head_dim, add_value_length=head_dim, add_rope_dimension_count=head_dim,
+                           **(extra or {}))
+    tensors = list((extra_tensors or {}).items())
     rope = c.rope_parameters
     if rope["rope_type"] == "llama3":
-        plain = rope_inverse_frequencies(c.head_dim, rope["rope_theta"])
-        writer.add_tensor("rope_freqs.weight", (plain / hf.model.rotary_emb.inv_freq).numpy())
-    for name, array in (extra_tensors or {}).items():
-        writer.add_tensor(name, array)
-    for name, tensor in hf.state_dict().items():
+        plain = rope_inverse_frequencies(head_dim, rope["rope_theta"])
+        tensors.append(("rope_freqs.weight", (plain / hf.model.rotary_emb.inv_freq).numpy()))
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, tensor in (hf.state_dict() if state_dict is None else state_dict).items():
         array = tensor.float().numpy()
-        if name in _HF_TO_GGUF:
-            writer.add_tensor(_HF_TO_GGUF[name], array)
+        if name in GGUF_GLOBAL_NAMES:
+            tensors.append((GGUF_GLOBAL_NAMES[name], array))
             continue
         layer, rest = name[len("model.layers."):].split(".", 1)
         module, kind = rest.rsplit(".", 1)
+        if ".experts." in module:
+            _, expert, projection = module.rsplit(".", 2)
+            experts.setdefault(f"blk.{layer}.{_HF_TO_GGUF_EXPERTS[projection]}.{kind}", {})[int(expert)] = array
+            continue
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             array = llama_cpp_permute(array, c.num_attention_heads if "q_proj" in module else c.num_key_value_heads)
-        writer.add_tensor(f"blk.{layer}.{_HF_TO_GGUF_LAYER[module]}.{kind}", array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        tensors.append((f"blk.{layer}.{_HF_TO_GGUF_LAYER[module]}.{kind}", array))
+    tensors += [(name, np.stack([by_index[e] for e in sorted(by_index)])) for name, by_index in experts.items()]
+    write_gguf_file(path, arch, metadata, tensors, tensor_types)
 
 
 def load_gguf(path):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pagedllm.models.loader import build_model, load_checkpoint
+from tests.gguf_writer import GGUF_GLOBAL_NAMES, hf_metadata, write_gguf_file
 from tests.test_model_families import (LOGPROB_TOL, assert_parity, hf_reference, load_gguf,  # noqa: F401
                                        native, pagedllm_run, random_prompts, save_tiny_hf)
 
@@ -101,46 +102,29 @@ def test_phi3_short_factors_equal_transformers(tiny_phi3):
 
 def write_phi3_gguf(path, hf) -> None:
     """``hf`` as llama.cpp's ``Phi3MiniModel`` converter writes it (fp32, no tokenizer)."""
-    import gguf
-
     c = hf.config
     rope = c.rope_parameters
     head_dim = c.hidden_size // c.num_attention_heads
-    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_dimension_count(rotary_dim)
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_sliding_window(c.sliding_window or 0)
-    writer.add_vocab_size(c.vocab_size)
     scale = c.max_position_embeddings / c.original_max_position_embeddings
-    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(c.original_max_position_embeddings)))
-    writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
-    writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    metadata = hf_metadata(
+        c, add_rope_scaling_orig_ctx_len=c.original_max_position_embeddings,
+        add_rope_dimension_count=int(head_dim * rope.get("partial_rotary_factor", 1.0)),
+        add_sliding_window=c.sliding_window or 0,
+        add_rope_scaling_attn_factors=math.sqrt(1 + math.log(scale) / math.log(c.original_max_position_embeddings)))
+    tensors = [("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32)),
+               ("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))]
     names = {"input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
              "post_attention_layernorm": "ffn_norm", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
     for name, tensor in hf.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        if name in globals_:
-            writer.add_tensor(globals_[name], tensor.float().numpy())
+        if name in GGUF_GLOBAL_NAMES:
+            tensors.append((GGUF_GLOBAL_NAMES[name], tensor.float().numpy()))
             continue
         layer, rest = name[len("model.layers."):].split(".", 1)
         module, kind = rest.rsplit(".", 1)
-        writer.add_tensor(f"blk.{layer}.{names[module]}.{kind}", tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        tensors.append((f"blk.{layer}.{names[module]}.{kind}", tensor.float().numpy()))
+    write_gguf_file(path, "phi3", metadata, tensors)
 
 
 def test_phi3_gguf_equals_transformers(tiny_phi3, tmp_path):

@@ -83,9 +83,15 @@ MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 # GGUF ``general.architecture`` -> Hugging Face ``model_type``. llama.cpp writes Mistral as ``llama``.
 _GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
-                     "gemma3": "gemma3_text"}
-_HF_ARCHITECTURE_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                          "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                     "gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# Mixture-of-experts GGUF architectures: ``general.architecture`` -> (HF ``model_type``, whether
+# llama.cpp renormalizes the top-k router probabilities: the ``norm_w`` its graph passes to
+# ``build_moe_ffn``, used when the file has no ``{arch}.expert_weights_norm``). llama.cpp
+# writes Mixtral as ``llama`` with ``llama.expert_count`` set.
+_GGUF_MOE_ARCHITECTURES = {"llama": ("mixtral", True), "qwen3moe": ("qwen3_moe", True), "olmoe": ("olmoe", False)}
+# model_types whose GGUF tokenizer transformers will not convert: its GGUF support refuses an
+# architecture it has no model mapping for, even to read the tokenizer alone.
+_GGUF_TOKENIZER_ONLY_MODEL_TYPES = ("olmoe",)
 # llama.cpp's per-frequency longrope factors (Phi-3): GGUF tensor -> the loader's config key.
 _GGUF_ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "rope_long_factor",
                              "rope_factors_short.weight": "rope_short_factor"}
@@ -139,7 +145,6 @@ def model_folder(path: Path) -> Path:
         _remove_older_conversions(folder, path.name)
         return folder
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
 
     _remove_abandoned_conversions(folder.parent)
     logger.info("converting %s to %s (once)", path, folder)
@@ -151,8 +156,7 @@ def model_folder(path: Path) -> Path:
         save_file(state_dict, str(tmp / "model.safetensors"))
         del state_dict
         save_file(_pack_int4(int4_weights), str(tmp / INT4_FILE))
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tokenizer.save_pretrained(str(tmp))
+        _load_gguf_tokenizer(path, raw_config["model_type"]).save_pretrained(str(tmp))
         (tmp / "conversion_version").write_text(str(_CONVERSION_VERSION))
         (tmp / "complete").write_text(str(path))
         tmp.rename(folder)
@@ -164,6 +168,34 @@ def model_folder(path: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     _remove_older_conversions(folder, path.name)
     return folder
+
+
+def _load_gguf_tokenizer(path: Path, model_type: str):
+    """transformers' tokenizer (with chat template) from the ``tokenizer.*`` metadata of the GGUF
+    at ``path``. For a ``model_type`` in ``_GGUF_TOKENIZER_ONLY_MODEL_TYPES`` those keys are first
+    copied into a tensor-less GGUF that says ``llama``: the conversion follows
+    ``tokenizer.ggml.model`` (``gpt2``, ``llama``, ...), not the architecture."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    if model_type not in _GGUF_TOKENIZER_ONLY_MODEL_TYPES:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    with tempfile.TemporaryDirectory() as scratch:
+        writer = gguf.GGUFWriter(str(Path(scratch) / "tokenizer.gguf"), "llama")
+        for field in reader.fields.values():
+            if field.name.startswith("tokenizer."):
+                kind = field.types[0]
+                writer.add_key_value(field.name, field.contents(), kind,
+                                     field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return AutoTokenizer.from_pretrained(scratch, gguf_file="tokenizer.gguf")
 
 
 def _content_key(path: Path) -> str:
@@ -336,8 +368,12 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int
 
     Raises:
         ValueError: an architecture not in ``_GGUF_MODEL_TYPES``, metadata the engine does not
-            implement (RoPE scaling other than linear, partial rotary, experts, a sliding
-            window outside Gemma 3), or a tensor it would not read.
+            implement (RoPE scaling other than linear, partial rotary, experts outside
+            ``_GGUF_MOE_ARCHITECTURES``, a sliding window outside Gemma 2/3 and Phi-3), or a
+            tensor it would not read.
+
+    Experts (``blk.N.ffn_{gate,up,down}_exps.weight``, ``[num_experts, out, in]``) are split into
+    one HF tensor per expert; see ``_gguf_moe_config`` for the metadata.
     """
     import gguf
 
@@ -346,7 +382,10 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int
     if arch not in _GGUF_MODEL_TYPES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {tuple(_GGUF_MODEL_TYPES)})")
     _check_gguf_metadata(reader, arch)
-    model_class = MODEL_CLASSES[_GGUF_MODEL_TYPES[arch]]
+    model_type = _GGUF_MODEL_TYPES[arch]
+    if _gguf_field(reader, f"{arch}.expert_count", 0):
+        model_type = _GGUF_MOE_ARCHITECTURES[arch][0]
+    model_class = MODEL_CLASSES[model_type]
     num_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
     num_kv_heads = int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads))
     hidden_size = int(_gguf_field(reader, f"{arch}.embedding_length"))
@@ -357,8 +396,8 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     raw_config = {
-        "architectures": [_HF_ARCHITECTURE_NAMES[arch]],
-        "model_type": _GGUF_MODEL_TYPES[arch],
+        "architectures": [model_class.__name__],
+        "model_type": model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden_size,
         "intermediate_size": int(_gguf_field(reader, f"{arch}.feed_forward_length")),
@@ -379,6 +418,8 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int
     if _gguf_field(reader, f"{arch}.rope.scaling.type", "none") == "linear":
         raw_config["rope_scaling"] = {"rope_type": "linear",
                                       "factor": float(_gguf_field(reader, f"{arch}.rope.scaling.factor"))}
+    if model_type in (moe_type for moe_type, _ in _GGUF_MOE_ARCHITECTURES.values()):
+        raw_config.update(_gguf_moe_config(reader, arch, model_type, names, raw_config["num_hidden_layers"]))
     if hasattr(model_class, "complete_hf_config"):
         model_class.complete_hf_config(raw_config, lambda key, default: _gguf_field(reader, f"{arch}.{key}", default))
     layer_names = {**_GGUF_LAYER_NAMES, **getattr(model_class, "gguf_layer_names", {})}
@@ -401,6 +442,11 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Int
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if to_hf is not None:
             array = to_hf(name, array)
+        if "*" in name:  # the experts' stacked projection (gguf_expert_layer_names)
+            for expert, expert_array in enumerate(array):
+                state_dict[name.replace("*", str(expert))] = torch.from_numpy(
+                    np.array(expert_array, dtype=np.float32, order="C"))
+            continue
         int4 = int4_readers[tensor.tensor_type](tensor.data, shape) \
             if tensor.tensor_type in int4_readers and len(shape) == 2 else None
         heads = None
@@ -442,12 +488,64 @@ def _check_gguf_metadata(reader, arch: str) -> None:
         raise ValueError(f"GGUF {arch}.rope.dimension_count={rotary} is not supported (RoPE over the whole "
                          f"head, {head_dim})")
     experts = _gguf_field(reader, f"{arch}.expert_count", 0)
-    if experts:
-        raise ValueError(f"GGUF {arch}.expert_count={experts} is not supported (dense models only)")
+    if experts and arch not in _GGUF_MOE_ARCHITECTURES:
+        raise ValueError(f"GGUF {arch}.expert_count={experts} is not supported (mixture of experts: "
+                         f"{', '.join(_GGUF_MOE_ARCHITECTURES)})")
+    for key, inert, meaning in (("expert_shared_count", 0, "no shared experts"),
+                                ("expert_weights_scale", 1.0, "router weights unscaled"),
+                                ("expert_gating_func", 1, "softmax router (1)")):
+        value = _gguf_field(reader, f"{arch}.{key}", inert)
+        if value != inert:
+            raise ValueError(f"GGUF {arch}.{key}={value} is not supported ({meaning})")
+    clamp = _gguf_field(reader, f"{arch}.attention.clamp_kqv")
+    if clamp is not None and arch != "olmoe":
+        raise ValueError(f"GGUF {arch}.attention.clamp_kqv={clamp} is not supported (olmoe's clip_qkv only)")
     window = _gguf_field(reader, f"{arch}.attention.sliding_window", 0)
     if window and arch not in ("gemma2", "gemma3", "phi3"):
         raise ValueError(f"GGUF {arch}.attention.sliding_window={window} is not supported (full attention; "
                          "windows for gemma2, gemma3 and phi3 only)")
+
+
+def _gguf_moe_config(reader, arch: str, model_type: str, names: set[str], num_layers: int) -> dict:
+    """The ``config.json`` keys of a mixture-of-experts GGUF (gguf-py ``Keys.LLM``): ``expert_count``
+    and ``expert_used_count`` (``num_experts``, ``num_experts_per_tok``); for ``qwen3_moe``
+    ``expert_feed_forward_length`` (``moe_intermediate_size``; Mixtral's and OLMoE's experts are
+    ``feed_forward_length``) and the layers without a router (``mlp_only_layers``, dense ones);
+    ``expert_weights_norm`` (``norm_topk_prob``), defaulting to what llama.cpp's graph does
+    (``_GGUF_MOE_ARCHITECTURES``); OLMoE's ``attention.clamp_kqv`` (``clip_qkv``).
+
+    Raises:
+        ValueError: no ``expert_count`` / ``expert_used_count`` (or, for qwen3moe,
+            ``expert_feed_forward_length``); a Mixtral or OLMoE layer without
+            experts; ``expert_weights_norm`` false for Mixtral (which always renormalizes).
+    """
+    experts = _gguf_field(reader, f"{arch}.expert_count", 0)
+    used = _gguf_field(reader, f"{arch}.expert_used_count")
+    if not experts:
+        raise ValueError(f"GGUF {arch}: {arch}.expert_count is missing (a mixture-of-experts architecture)")
+    if used is None:
+        raise ValueError(f"GGUF {arch}.expert_count={experts} needs {arch}.expert_used_count (experts per token)")
+    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    if dense and model_type != "qwen3_moe":
+        raise ValueError(f"GGUF {arch}.expert_count={experts}: layers {dense} have no experts "
+                         f"(blk.N.ffn_gate_inp.weight); {model_type} has them in every layer")
+    config = {"num_experts": int(experts), "num_experts_per_tok": int(used)}
+    normalize = bool(_gguf_field(reader, f"{arch}.expert_weights_norm", _GGUF_MOE_ARCHITECTURES[arch][1]))
+    if model_type == "mixtral":
+        if not normalize:
+            raise ValueError(f"GGUF {arch}.expert_weights_norm=False is not supported (Mixtral renormalizes)")
+    else:
+        config["norm_topk_prob"] = normalize
+    if model_type == "qwen3_moe":
+        size = _gguf_field(reader, f"{arch}.expert_feed_forward_length")
+        if size is None:
+            raise ValueError(f"GGUF {arch}: {arch}.expert_feed_forward_length (each expert's size) is missing")
+        config["moe_intermediate_size"] = int(size)
+        config["mlp_only_layers"] = dense
+    clamp = _gguf_field(reader, f"{arch}.attention.clamp_kqv")
+    if clamp is not None:
+        config["clip_qkv"] = float(clamp)
+    return config
 
 
 def _pack_int4(weights: dict[str, Int4Weight]) -> dict[str, torch.Tensor]:

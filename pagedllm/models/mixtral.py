@@ -7,7 +7,7 @@ the two probabilities always renormalized (HF ``MixtralTopKRouter``). Hugging Fa
 
 from __future__ import annotations
 
-from pagedllm.models.moe import MoEForCausalLM
+from pagedllm.models.moe import MoEForCausalLM, gguf_expert_layer_names
 
 
 class MixtralForCausalLM(MoEForCausalLM):
@@ -15,3 +15,5 @@ class MixtralForCausalLM(MoEForCausalLM):
 
     moe_block_name = "block_sparse_moe"
     expert_weight_names = ("w1", "w3", "w2")
+    # llama.cpp writes Mixtral as ``llama`` with ``llama.expert_count`` set.
+    gguf_layer_names = gguf_expert_layer_names(moe_block_name, expert_weight_names)

@@ -66,6 +66,19 @@ class SparseMoeBlock(nn.Module):
         return fused_experts(x, self.experts, weights, expert_ids)
 
 
+def gguf_expert_layer_names(block: str, expert_weight_names: tuple[str, str, str]) -> dict[str, str]:
+    """GGUF tensor names (after ``blk.N.``) of a MoE layer -> Hugging Face names (after
+    ``model.layers.N.``), as llama.cpp's converter writes them (gguf-py ``MODEL_TENSOR.FFN_GATE_INP``,
+    ``FFN_{GATE,UP,DOWN}_EXP``): the router, and each projection of all experts stacked in one
+    ``[num_experts, out_features, in_features]`` tensor, whose HF name has ``*`` where the expert's
+    index goes (the loader unstacks it)."""
+    gate, up, down = expert_weight_names
+    return {"ffn_gate_inp.weight": f"{block}.gate.weight",
+            "ffn_gate_exps.weight": f"{block}.experts.*.{gate}.weight",
+            "ffn_up_exps.weight": f"{block}.experts.*.{up}.weight",
+            "ffn_down_exps.weight": f"{block}.experts.*.{down}.weight"}
+
+
 class MoEForCausalLM(LlamaForCausalLM):
     """``LlamaForCausalLM`` whose MoE layers' ``mlp`` is a ``SparseMoeBlock``.
 
@@ -80,6 +93,7 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     moe_block_name = "mlp"
     expert_weight_names = ("gate_proj", "up_proj", "down_proj")
+    gguf_layer_names = gguf_expert_layer_names(moe_block_name, expert_weight_names)
 
     def __init__(self, config: MoEConfig, dtype: torch.dtype = torch.float32,
                  quantization: Optional[str] = None, tp: TensorParallelShard = TensorParallelShard()) -> None:

@@ -36,6 +36,10 @@ class OlmoeAttention(LlamaAttention):
 class OlmoeForCausalLM(MoEForCausalLM):
     """``MoEForCausalLM`` with ``OlmoeAttention`` in every layer."""
 
+    # llama.cpp's ``LLM_ARCH_OLMOE`` (rows unpermuted: NEOX RoPE); its q/k norms span all heads.
+    gguf_layer_names = {"attn_q_norm.weight": "self_attn.q_norm.weight",
+                        "attn_k_norm.weight": "self_attn.k_norm.weight", **MoEForCausalLM.gguf_layer_names}
+
     def __init__(self, config: MoEConfig, dtype: torch.dtype = torch.float32,
                  quantization: Optional[str] = None, tp: TensorParallelShard = TensorParallelShard()) -> None:
         super().__init__(config, dtype, quantization, tp)

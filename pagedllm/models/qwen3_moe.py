@@ -9,7 +9,11 @@ released checkpoints; transformers' default is false). Hugging Face
 from __future__ import annotations
 
 from pagedllm.models.moe import MoEForCausalLM
+from pagedllm.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):
     """``MoEForCausalLM`` with Qwen3's per-head q/k norms (``config.qk_norm``)."""
+
+    # llama.cpp's ``LLM_ARCH_QWEN3MOE``: Qwen3's tensors (Q/K rows unpermuted) plus the experts.
+    gguf_layer_names = {**Qwen3ForCausalLM.gguf_layer_names, **MoEForCausalLM.gguf_layer_names}
