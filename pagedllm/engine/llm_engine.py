@@ -21,9 +21,9 @@ from pagedllm.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.layers.quantization import CHECKPOINT_QUANTIZATION_METHODS, weight_bytes
-from pagedllm.layers.smooth_quant import calibration_token_ids
 from pagedllm.lora.manager import LoRAModelManager
 from pagedllm.lora.request import LoRARequest
+from pagedllm.models.quantize import calibration_token_ids
 from pagedllm.models.loader import (build_model, load_checkpoint, load_prequantized, load_tokenizer,
                                     resolve_model_path)
 from pagedllm.distributed.parallel_state import TensorParallelError
