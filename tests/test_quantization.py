@@ -27,6 +27,7 @@ from pagedllm.layers.quantization import (CHECKPOINT_QUANTIZATION_METHODS, KERNE
 from pagedllm.layers.ops import native_ops
 from pagedllm.models.gguf_blocks import int4_from_q4_1, int4_from_q4_k
 from pagedllm.models.loader import build_model
+from pagedllm.models.sharding import TensorParallelShard
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -192,6 +193,20 @@ def test_option_values_are_the_registered_methods():
     assert CHECKPOINT_QUANTIZATION_METHODS == ("awq", "gptq", "compressed-tensors")
     with pytest.raises(ValueError, match="quantization must be one of .* got 'int3'"):
         get_quant_method("int3")
+
+
+def test_each_method_checks_its_own_tensor_parallel_limits():
+    """``TensorParallelShard.check`` asks the method: int8 / int4 / w4a8 split this config (whole
+    groups and tiles per rank), w8a8 (calibration on the whole model) and the checkpoint
+    methods are refused by name."""
+    shard, config = TensorParallelShard(0, 2), tiny_config()
+    for name in ("int8", "int4", "w4a8"):
+        shard.check(config, name)
+    with pytest.raises(ValueError, match="quantization='w8a8' with tensor_parallel_size=2 is not supported yet"):
+        shard.check(config, "w8a8")
+    for name in CHECKPOINT_QUANTIZATION_METHODS:
+        with pytest.raises(ValueError, match=f"tensor_parallel_size=2 is not supported for '{name}' checkpoints"):
+            shard.check(config, name)
 
 
 @pytest.mark.slow

@@ -12,9 +12,8 @@ import torch
 from torch import nn
 
 from pagedllm.layers.ops import native_ops
-from pagedllm.layers.quantization.base import (INT4_GROUP_SIZE, Int4Weight, QuantMethod, check_whole_groups,
-                                               quantize_int4, quantize_int8)
-from pagedllm.layers.quantization.weight_only import grouped_int8_vocab
+from pagedllm.layers.quantization.base import INT4_GROUP_SIZE, Int4Weight, quantize_int4, quantize_int8
+from pagedllm.layers.quantization.weight_only import Int4Method, grouped_int8_vocab
 
 
 W4A8_TILE = 16  # output channels per tile of the W4A8 layout
@@ -264,25 +263,20 @@ def q8_0_vocab(lm_head: nn.Module, embedding: torch.Tensor, tied: bool) -> Optio
     return head, head if tied else Q8_0Linear.from_float(embedding, None)
 
 
-class W4A8Method(QuantMethod):
-    """``w4a8``: every decoder projection a ``W4A8Linear`` (a GGUF file's 4-bit codes when every
-    fused part has them), the LM head a ``Q8_0Linear`` (a grouped ``Int8Linear`` when its shape
-    has no whole tiles). Under tensor parallelism each rank's slices must be whole groups
+class W4A8Method(Int4Method):
+    """``w4a8``: ``int4``'s weights (a GGUF file's 4-bit codes when every fused part has them)
+    in ``W4A8Linear`` layers, the LM head a ``Q8_0Linear`` (a grouped ``Int8Linear`` when its
+    shape has no whole tiles). Under tensor parallelism each rank's slices must be whole groups
     (row-parallel inputs) and whole tiles of ``W4A8_TILE`` (column-parallel outputs)."""
 
     name = "w4a8"
-    loads_gguf_int4 = True
-
-    def quantize_linear(self, linear, parts, activation_absmax):
-        if all(p is not None for p in parts.values()):
-            return W4A8Linear(Int4Weight.cat(list(parts.values())), linear.bias)
-        return W4A8Linear.from_float(linear.weight, linear.bias)
+    layer_class = W4A8Linear
 
     def quantize_vocab(self, lm_head, embedding, tied):
         return q8_0_vocab(lm_head, embedding, tied) or grouped_int8_vocab(lm_head, embedding, tied)
 
     def check_tensor_parallel(self, size, column_rows, row_inputs):
-        check_whole_groups(self.name, size, row_inputs)
+        super().check_tensor_parallel(size, column_rows, row_inputs)
         for projection, rows in column_rows.items():
             if rows % W4A8_TILE:
                 raise ValueError(f"w4a8 with tensor_parallel_size={size}: {projection} has {rows} output features "

@@ -77,7 +77,7 @@ class W8A8Linear(nn.Module):
     the smoothing factor ``s[k] = amax_x[k] ** alpha / amax_w[k] ** (1 - alpha)`` moves the
     activation outliers of input channel ``k`` into the weight; ``x`` is multiplied by
     ``smooth_inv = 1 / s`` as it is quantized. ``amax_x`` comes from a calibration pass
-    (``layers/smooth_quant.py``); without one ``s`` is 1. Every batch size takes the same
+    (``models/quantize.py``); without one ``s`` is 1. Every batch size takes the same
     integer path, so a row's result does not depend on the other rows of the batch.
 
     The C++ op (``csrc/w8a8.cpp``) multiplies with VPDPBUSD over codes blocked by 16 output

@@ -50,7 +50,7 @@ class _QuantizedLinear(nn.Module):
     in ``out_dtype`` (default: ``x``'s dtype). With an ``input_order`` (``[K]`` int64, a GPTQ
     act-order checkpoint) the weight's columns are stored sorted by group, and ``x``'s columns
     are gathered into that order first; ``decode_layers`` does not gather, so such a model
-    runs its Python layers (``quantize_model`` turns ``fused_decode`` off). Up to ``KERNEL_MAX_ROWS`` rows the product is
+    runs its Python layers (``models/quantize.py: quantize_model`` turns ``fused_decode`` off). Up to ``KERNEL_MAX_ROWS`` rows the product is
     computed in fp32 from the exact stored weights whatever ``x``'s dtype, by the kernel or,
     without the C++ ops, by the same fp32 formulation in torch, so both paths agree to fp32
     summation order in every compute dtype. Larger batches multiply in ``x``'s dtype (a bf16
@@ -186,15 +186,19 @@ class Int8Method(QuantMethod):
 class Int4Method(QuantMethod):
     """``int4``: every decoder projection an ``Int4Linear`` (a GGUF file's 4-bit codes when
     every fused part has them, else quantized from the float weight), the LM head and
-    embedding grouped int8. Under tensor parallelism a row-parallel slice must be whole groups."""
+    embedding grouped int8. Under tensor parallelism a row-parallel slice must be whole groups.
+
+    ``layer_class``: the layer built from an ``Int4Weight`` and a bias, with ``from_float``
+    (``W4A8Method`` takes the same weights into ``W4A8Linear``)."""
 
     name = "int4"
     loads_gguf_int4 = True
+    layer_class = Int4Linear
 
     def quantize_linear(self, linear, parts, activation_absmax):
         if all(p is not None for p in parts.values()):
-            return Int4Linear(Int4Weight.cat(list(parts.values())), linear.bias)
-        return Int4Linear.from_float(linear.weight, linear.bias)
+            return self.layer_class(Int4Weight.cat(list(parts.values())), linear.bias)
+        return self.layer_class.from_float(linear.weight, linear.bias)
 
     def quantize_vocab(self, lm_head, embedding, tied):
         return grouped_int8_vocab(lm_head, embedding, tied)
