@@ -53,7 +53,7 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-TEXT_PATH = Path(__file__).resolve().parents[1] / "pagedllm" / "benchmarks" / "data" / "public_domain.txt"
+TEXT_PATH = Path(__file__).resolve().parents[1] / "pagedllm" / "data" / "public_domain.txt"
 GREEDY_PROMPT = "The capital of France is"
 GAUGES = ("pagedllm:num_requests_running", "pagedllm:num_requests_waiting", "pagedllm:kv_cache_usage_perc")
 

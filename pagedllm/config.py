@@ -33,7 +33,9 @@ _DTYPES = {
 _KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
 KV_SCALE_BYTES = 4
 
-# quantization values besides None (weights in the compute dtype).
+# quantization values besides None (weights in the compute dtype): the names of the QuantMethod
+# registry (layers/quantization/), which sits above this module; tests/test_quantization.py
+# checks that the two lists agree.
 _CHECKPOINT_QUANTIZATIONS = ("awq", "gptq", "compressed-tensors")
 _QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8") + _CHECKPOINT_QUANTIZATIONS
 
@@ -274,7 +276,7 @@ class EngineArgs:
               "shipped text; multiplied by the CPU's integer dot product, VNNI's vpdpbusd); w4a8: int4 weights as "
               "int4 (fp16 scales) and int8 activations per token and group of 32, multiplied "
               "in integers (llama.cpp's Q4_1 x Q8_1 dot), see "
-              "pagedllm/layers/quantization.py. awq, gptq, compressed-tensors: a Hugging Face "
+              "pagedllm/layers/quantization/. awq, gptq, compressed-tensors: a Hugging Face "
               "folder quantized by AutoAWQ / GPTQModel / llm-compressor, loaded as it is "
               "(detected from its config.json without the option; the option must match). "
               "Default: none (weights in --dtype)",

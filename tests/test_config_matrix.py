@@ -27,8 +27,8 @@ import torch
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.layers import ops
-from pagedllm.layers.smooth_quant import calibration_token_ids
 from pagedllm.models.loader import build_model
+from pagedllm.models.quantize import calibration_token_ids
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import run_to_completion, tiny_config, tiny_state_dict
 

@@ -5,6 +5,7 @@ SmolLM2's perplexity."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from unittest import mock
 
@@ -18,13 +19,15 @@ from tests.conftest import tiny_config, tiny_state_dict
 from pagedllm.config import EngineArgs
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.quantization import (KERNEL_MAX_ROWS, Int4Linear, Int4Weight, Int8Linear, Q8_0Linear,
-                                          W4A8Linear, W8A8Linear, block_q8_0, block_w4a8, block_w8a8, int4_from_q4_1,
-                                          int4_from_q4_k, quantize_int4, quantize_int8, unblock_q8_0,
-                                          unblock_w4a8, unblock_w8a8, w4a8_linear_torch, w8a8_linear_torch,
-                                          weight_bytes)
+from pagedllm.layers.quantization import (CHECKPOINT_QUANTIZATION_METHODS, KERNEL_MAX_ROWS, QUANTIZATION_METHODS,
+                                          Int4Linear, Int4Weight, Int8Linear, Q8_0Linear, W4A8Linear, W8A8Linear,
+                                          block_q8_0, block_w4a8, block_w8a8, get_quant_method, quantize_int4,
+                                          quantize_int8, unblock_q8_0, unblock_w4a8, unblock_w8a8, w4a8_linear_torch,
+                                          w8a8_linear_torch, weight_bytes)
 from pagedllm.layers.ops import native_ops
+from pagedllm.models.gguf_blocks import int4_from_q4_1, int4_from_q4_k
 from pagedllm.models.loader import build_model
+from pagedllm.models.sharding import TensorParallelShard
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -179,6 +182,31 @@ def test_quantized_model_equals_float_model_with_dequantized_weights(method):
 def test_quantization_option_is_validated():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineArgs.from_kwargs(quantization="int3")
+
+
+def test_option_values_are_the_registered_methods():
+    """The ``quantization`` option's values (config.py, below layers/) are the registry's names,
+    in order, and each name finds its method; an unknown name is refused by name."""
+    choices = next(f for f in dataclasses.fields(EngineArgs) if f.name == "quantization").metadata["choices"]
+    assert tuple(choices) == QUANTIZATION_METHODS
+    assert all(get_quant_method(name).name == name for name in QUANTIZATION_METHODS)
+    assert CHECKPOINT_QUANTIZATION_METHODS == ("awq", "gptq", "compressed-tensors")
+    with pytest.raises(ValueError, match="quantization must be one of .* got 'int3'"):
+        get_quant_method("int3")
+
+
+def test_each_method_checks_its_own_tensor_parallel_limits():
+    """``TensorParallelShard.check`` asks the method: int8 / int4 / w4a8 split this config (whole
+    groups and tiles per rank), w8a8 (calibration on the whole model) and the checkpoint
+    methods are refused by name."""
+    shard, config = TensorParallelShard(0, 2), tiny_config()
+    for name in ("int8", "int4", "w4a8"):
+        shard.check(config, name)
+    with pytest.raises(ValueError, match="quantization='w8a8' with tensor_parallel_size=2 is not supported yet"):
+        shard.check(config, "w8a8")
+    for name in CHECKPOINT_QUANTIZATION_METHODS:
+        with pytest.raises(ValueError, match=f"tensor_parallel_size=2 is not supported for '{name}' checkpoints"):
+            shard.check(config, name)
 
 
 @pytest.mark.slow
@@ -509,7 +537,7 @@ def test_q8_0_layout_keeps_codes_scales_and_rows():
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(layer.rows(index, dtype), grouped.rows(index, dtype))
     if native_ops() is not None:  # the C++ lookup, against the torch formula it replaces
-        with mock.patch("pagedllm.layers.quantization.native_ops", return_value=None):
+        with mock.patch("pagedllm.layers.quantization.w4a8.native_ops", return_value=None):
             torch_rows = {dtype: layer.rows(index, dtype) for dtype in (torch.float32, torch.bfloat16)}
         for dtype, expected in torch_rows.items():
             assert torch.equal(layer.rows(index, dtype), expected)

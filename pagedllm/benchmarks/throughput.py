@@ -20,14 +20,13 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from pagedllm.config import EngineArgs
+from pagedllm.data import TEXT_PATH
 
-TEXT_PATH = Path(__file__).with_name("data") / "public_domain.txt"
 HF_BATCH_SIZE = 16
 
 

@@ -24,6 +24,7 @@ from pagedllm.layers.attention import AttentionMetadata, paged_attention
 from pagedllm.layers.fused_decode import FusedDecode
 from pagedllm.layers.linear import Linear, packing_available
 from pagedllm.layers.ops import add_rms_norm_, native_ops, rms_norm, rotary_embedding_, silu_and_mul
+from pagedllm.layers.quantization import QuantizableLinear
 from pagedllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 from pagedllm.models.sharding import TensorParallelShard
 
@@ -357,6 +358,23 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv_cache in zip(self.layers, kv_caches):
                 hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.rotary)
         return self.norm(hidden, residual)
+
+    def quantizable_linears(self) -> list[QuantizableLinear]:
+        """The projections a quantization method replaces (``models/quantize.py``): per decoder
+        layer the fused Q/K/V, o, fused gate/up and down projections, each with the Hugging
+        Face weights fused into it (the keys of its pre-quantized parts)."""
+        linears = []
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            linears += [QuantizableLinear(attn, "qkv_proj", [p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
+                        QuantizableLinear(attn, "o_proj", [p + "self_attn.o_proj.weight"])]
+            linears += self._mlp_linears(layer.mlp, p)
+        return linears
+
+    def _mlp_linears(self, mlp: nn.Module, prefix: str) -> list[QuantizableLinear]:
+        return [QuantizableLinear(mlp, "gate_up_proj", [prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"]),
+                QuantizableLinear(mlp, "down_proj", [prefix + "mlp.down_proj.weight"])]
 
     def pack_linear_weights(self) -> int:
         """Pre-pack every unquantized ``Linear`` (``Linear.pack``: bf16 into ``bf16_linear``'s

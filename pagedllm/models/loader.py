@@ -20,10 +20,10 @@ import torch
 
 from pagedllm import envs
 from pagedllm.huge_pages import move_weights_to_huge_pages
-from pagedllm.layers.quantization import (CHECKPOINT_QUANTIZATION_METHODS, Int4Weight, Int8Weight, int4_from_q4_1,
-                                          int4_from_q4_k, quantize_model)
+from pagedllm.layers.quantization import Int4Weight, Int8Weight, get_quant_method
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.gguf_blocks import int4_from_q4_1, int4_from_q4_k
 from pagedllm.models.hf_config import config_from_hf
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedllm.models.mistral import MistralForCausalLM
@@ -32,6 +32,7 @@ from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.quantized_checkpoint import (checkpoint_quantization, pop_quantized_modules,
                                                   read_quantized_weight, weight_shape)
+from pagedllm.models.quantize import quantize_model
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -268,8 +269,9 @@ def load_prequantized(path: Path, quantization: Optional[str]) -> tuple[Optional
     folder = model_folder(path)
     config_file = folder / "config.json"
     raw = json.loads(config_file.read_text()) if config_file.exists() else {}
-    if quantization in (None, *CHECKPOINT_QUANTIZATION_METHODS) or "quantization_config" in raw:
-        if quantization in ("int8", "int4", "w4a8"):
+    method = None if quantization is None else get_quant_method(quantization)
+    if method is None or method.from_checkpoint or "quantization_config" in raw:
+        if method is not None and not method.from_checkpoint:
             raise ValueError(f"quantization={quantization!r}: {folder} is already quantized "
                              f"({raw['quantization_config'].get('quant_method')!r}); leave quantization unset")
         quant = checkpoint_quantization(raw, quantization)
@@ -285,7 +287,7 @@ def load_prequantized(path: Path, quantization: Optional[str]) -> tuple[Optional
         modules = pop_quantized_modules(tensors, quant)
         return quant.method, {f"{prefix}.weight": read_quantized_weight(parts, quant)
                               for prefix, parts in modules.items()}
-    return quantization, load_prequantized_int4(path) if quantization in ("int4", "w4a8") else {}
+    return quantization, load_prequantized_int4(path) if method.loads_gguf_int4 else {}
 
 
 def load_prequantized_int4(path: Path) -> dict[str, Int4Weight]:
@@ -317,7 +319,7 @@ def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype:
     (``int4`` takes ``prequantized`` GGUF 4-bit weights as they are), a checkpoint method
     installs ``prequantized`` (``load_prequantized``); see ``quantize_model``. With ``tp`` the
     model is that rank's shard (``models/sharding.py``), prequantized weights included.
-    ``w8a8`` calibrates on ``calibration_token_ids`` (``layers/smooth_quant.py``).
+    ``w8a8`` calibrates on ``calibration_token_ids`` (``models/quantize.py``).
 
     Raises:
         ValueError: an architecture without a model class, a bad weight, placeholders of a
@@ -325,8 +327,8 @@ def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype:
             over ``tp.size`` ranks.
     """
     # A DummyStateDict (models/dummy.py) holds no placeholders and draws every tensor it is read for.
-    if quantization not in CHECKPOINT_QUANTIZATION_METHODS and isinstance(state_dict, dict) \
-            and any(t.is_meta for t in state_dict.values()):
+    from_checkpoint = quantization is not None and get_quant_method(quantization).from_checkpoint
+    if not from_checkpoint and isinstance(state_dict, dict) and any(t.is_meta for t in state_dict.values()):
         raise ValueError("the checkpoint's linear layers are quantized (quantization_config): build it with "
                          "the method and weights load_prequantized returns")
     model_class = MODEL_CLASSES.get(config.architecture)

@@ -24,6 +24,7 @@ from torch import nn
 
 from pagedllm.layers.fused_moe import Expert, fused_experts, route
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.quantization import QuantizableLinear
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedllm.models.sharding import TensorParallelShard
 
@@ -115,6 +116,13 @@ class MoEForCausalLM(LlamaForCausalLM):
                 layer.mlp = SparseMoeBlock(config)
         self.requires_grad_(False)
         self.fused_decode = None
+
+    def _mlp_linears(self, mlp: nn.Module, prefix: str) -> list[QuantizableLinear]:
+        """A MoE block's experts, each quantized as a dense MLP (the router stays float)."""
+        if not isinstance(mlp, SparseMoeBlock):
+            return super()._mlp_linears(mlp, prefix)
+        return [QuantizableLinear(expert, attribute, [f"{prefix}mlp.experts.{e}.{attribute}.weight"])
+                for e, expert in enumerate(mlp.experts) for attribute in ("gate_up_proj", "down_proj")]
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """As ``LlamaForCausalLM.load_hf_state_dict`` (which loads the dense ``LlamaMLP`` layers

@@ -32,7 +32,7 @@ from typing import Optional, Union
 
 import torch
 
-from pagedllm.layers.quantization import CHECKPOINT_QUANTIZATION_METHODS, Int4Weight
+from pagedllm.layers.quantization import Int4Weight, get_quant_method
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedllm.models.sharding import TensorParallelShard
 
@@ -56,7 +56,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
                  quantization: Optional[str] = None, tp: TensorParallelShard = TensorParallelShard()) -> None:
-        if quantization in CHECKPOINT_QUANTIZATION_METHODS:
+        if quantization is not None and get_quant_method(quantization).from_checkpoint:
             raise ValueError(f"quantization={quantization!r} is not supported for Phi-3 (its fused qkv_proj "
                              "and gate_up_proj would need splitting); use int8, int4 or w8a8 on the float model")
         super().__init__(config, dtype, quantization, tp)

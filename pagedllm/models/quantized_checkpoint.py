@@ -5,7 +5,7 @@ dequantizing.
 The method comes from ``config.json``'s ``quantization_config`` (vLLM's
 ``get_quant_config``; its ``quant_method`` names: ``awq``, ``gptq``, ``compressed-tensors``).
 Every format stores ``W = s * (q - z)`` per group of ``G`` input features; pagedllm's int4
-holds ``W = scales * codes + mins`` per group of 32 (``layers/quantization.py``), so a
+holds ``W = scales * codes + mins`` per group of 32 (``layers/quantization/``), so a
 checkpoint group becomes ``G / 32`` groups with ``scales = s`` and ``mins = -z * s``. For the
 16-bit scales these formats store, ``z * s`` and ``(q - z) * s`` are exact in fp32 (an 11-bit
 significand times an integer below 2^5), so the weights pagedllm multiplies by are exactly

@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING, Union
 
 import torch
 
+from pagedllm.layers.quantization import INT4_GROUP_SIZE, get_quant_method
+
 if TYPE_CHECKING:
     from pagedllm.layers.quantization import Int4Weight
     from pagedllm.models.llama import LlamaConfig
-
-INT4_GROUP_SIZE = 32  # layers/quantization.py's group; a row-parallel cut must fall between groups
-W4A8_TILE = 16  # layers/quantization.py's w4a8 tile: output features per rank come in whole tiles
 
 _COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
@@ -46,8 +45,9 @@ class TensorParallelShard:
             ValueError: a family whose layers are not sharded (Gemma 3), or naming the dimension
                 that does not divide: Q heads, KV heads (when
                 ``num_kv_heads >= size`` they must divide by it, else ``size`` by them), the
-                intermediate size, or for ``int4`` a row-parallel input slice that is not a
-                whole number of 32-weight groups.
+                intermediate size; or what ``quantization``'s method refuses
+                (``QuantMethod.check_tensor_parallel``: for ``int4`` a row-parallel input slice
+                that is not a whole number of 32-weight groups).
         """
         size = self.size
         if size == 1:
@@ -65,22 +65,12 @@ class TensorParallelShard:
         if config.intermediate_size % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size="
                              f"{config.intermediate_size}")
-        if quantization == "w8a8":
-            raise ValueError(f"quantization='w8a8' with tensor_parallel_size={size} is not supported yet "
-                             "(its calibration runs on the whole model); use tensor_parallel_size=1")
-        if quantization in ("int4", "w4a8"):
-            for name, width in (("o_proj", heads * config.head_dim), ("down_proj", config.intermediate_size)):
-                if (width // size) % INT4_GROUP_SIZE:
-                    raise ValueError(f"{quantization} with tensor_parallel_size={size}: {name}'s {width} input "
-                                     f"features split into slices of {width // size}, not whole groups of "
-                                     f"{INT4_GROUP_SIZE}")
-        if quantization == "w4a8":
-            for name, rows in (("q_proj", self.num_heads(config) * config.head_dim),
-                               ("k_proj", self.num_kv_heads(config) * config.head_dim),
-                               ("gate_proj", config.intermediate_size // size)):
-                if rows % W4A8_TILE:
-                    raise ValueError(f"w4a8 with tensor_parallel_size={size}: {name} has {rows} output features "
-                                     f"per rank, not whole tiles of {W4A8_TILE}")
+        if quantization is not None:
+            column_rows = {"q_proj": self.num_heads(config) * config.head_dim,
+                           "k_proj": self.num_kv_heads(config) * config.head_dim,
+                           "gate_proj": config.intermediate_size // size}
+            row_inputs = {"o_proj": heads * config.head_dim, "down_proj": config.intermediate_size}
+            get_quant_method(quantization).check_tensor_parallel(size, column_rows, row_inputs)
 
     def num_heads(self, config: "LlamaConfig") -> int:
         """Q heads on this rank."""

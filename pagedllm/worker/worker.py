@@ -20,13 +20,13 @@ from typing import Any, Optional
 import torch
 
 from pagedllm.config import EngineArgs
-from pagedllm.layers.quantization import CHECKPOINT_QUANTIZATION_METHODS, weight_bytes
-from pagedllm.layers.smooth_quant import calibration_token_ids
+from pagedllm.layers.quantization import get_quant_method, weight_bytes
 from pagedllm.lora.manager import LoRAModelManager
 from pagedllm.models.dummy import dummy_config_file, load_dummy_checkpoint, load_dummy_tokenizer
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedllm.models.loader import (build_model, load_checkpoint, load_prequantized, load_tokenizer,
                                     resolve_model_path)
+from pagedllm.models.quantize import calibration_token_ids
 from pagedllm.models.sharding import TensorParallelShard
 from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedllm.worker.kv_cache_sizing import bytes_per_block, determine_num_blocks
@@ -64,14 +64,6 @@ class Worker:
         self.drafter: Optional[DraftModelProposer] = None
         self._loaded: Optional[tuple] = None  # what read_checkpoint read, until load_model builds it
 
-    def _check_shardable(self, config: LlamaConfig, quantization: Optional[str]) -> None:
-        size = self.shard.size
-        if size > 1 and quantization in CHECKPOINT_QUANTIZATION_METHODS:
-            # models/sharding.py slices GGUF int4 codes; act-order and zero-point layouts not yet.
-            raise ValueError(f"tensor_parallel_size={size} is not supported for {quantization!r} "
-                             "checkpoints yet; use tensor_parallel_size=1")
-        self.shard.check(config, quantization)
-
     def read_checkpoint(self) -> None:
         """Read the weights (and, on rank 0, the tokenizer) and check that the model splits
         over the ranks; ``load_model`` then builds it. Executors call it first where a bad
@@ -100,7 +92,7 @@ class Worker:
             quantization, prequantized = load_prequantized(path, args.quantization)
             if self.rank == 0:
                 self.tokenizer = load_tokenizer(path)
-        self._check_shardable(config, quantization)
+        self.shard.check(config, quantization)  # the quantization method checks its own limits
         self._loaded = (path, config, state_dict, quantization, prequantized)
 
     def load_model(self) -> None:
@@ -124,7 +116,7 @@ class Worker:
         path, config, state_dict, quantization, prequantized = self._loaded
         self._loaded = None
         calibration = None
-        if quantization == "w8a8":
+        if quantization is not None and get_quant_method(quantization).needs_calibration:
             calibration = calibration_token_ids(self.tokenizer, config.vocab_size)
         model = build_model(config, state_dict, self.args.torch_dtype, quantization, prequantized, self.shard,
                             calibration)
@@ -145,7 +137,8 @@ class Worker:
             path = resolve_model_path(model)
             config, state_dict = load_checkpoint(path)
             quantization, prequantized = load_prequantized(path, quantization)
-        calibration = calibration_token_ids(self.tokenizer, config.vocab_size) if quantization == "w8a8" else None
+        calibration = (calibration_token_ids(self.tokenizer, config.vocab_size)
+                       if quantization is not None and get_quant_method(quantization).needs_calibration else None)
         return build_model(config, state_dict, dtype, quantization, prequantized, calibration_token_ids=calibration)
 
     @property

@@ -1,0 +1,129 @@
+"""Applying a quantization method to a built model (vLLM's loader step
+``process_weights_after_loading``), and the calibration pass ``w8a8`` needs (SmoothQuant, Xiao
+et al. 2023, section 4): the largest ``|x[:, k]|`` each projection sees on a calibration text,
+from one forward pass of the float model.
+
+The methods themselves (``layers/quantization/``) convert one layer at a time; the model says
+which projections it has (``quantizable_linears()``), so neither side knows the other's names.
+
+The calibration text is the part of the public-domain text shipped with pagedllm
+(``pagedllm/data/public_domain.txt``) that ``pagedllm bench accuracy`` does not score: its
+first ``ACCURACY_TOKENS`` tokens are the perplexity set, the calibration starts after them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagedllm.data import TEXT_PATH
+from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
+from pagedllm.layers.quantization import (Int4Weight, Int8Embedding, Int8Weight, QuantizableLinear, get_quant_method,
+                                          weight_bytes)
+
+# Tokens of the shipped text that ``pagedllm bench accuracy`` scores (its default --num-tokens).
+ACCURACY_TOKENS = 2048
+CALIBRATION_TOKENS = 1024
+_BLOCK_SIZE = 16
+
+
+def quantize_model(model: nn.Module, prequantized: Optional[dict[str, "Int4Weight | Int8Weight"]] = None,
+                   calibration_token_ids: Optional[list[int]] = None) -> None:
+    """Replace every projection of the decoder layers (``model.quantizable_linears()``) by its
+    quantized form, in place, by the method the model was built with (``model.quantization``;
+    ``QuantMethod.quantize_linear``), then the LM head and token embedding
+    (``QuantMethod.quantize_vocab``), and record ``model.unquantized_weight_bytes``.
+
+    Args:
+        model: a ``LlamaForCausalLM`` (or subclass) with weights installed (for a checkpoint
+            method, the quantized projections' float weights may be meta placeholders).
+        prequantized: weights by Hugging Face name (``model.layers.0.self_attn.q_proj.weight``):
+            ``Int4Weight`` for ``int4`` / ``w4a8`` (GGUF 4-bit; a fused layer uses them when
+            every part is there, else quantizes its float weight) and the checkpoint methods,
+            ``Int8Weight`` for the 8-bit checkpoint methods.
+        calibration_token_ids: for a method that ``needs_calibration`` (``w8a8``): the
+            calibration text's token ids (none: no smoothing).
+
+    Raises:
+        ValueError: unknown method, a layer whose shape the method's layout cannot hold (for
+            ``int4``, ``in_features`` not in groups of 32), or a fused projection that a
+            checkpoint quantized only in part or with different input orders.
+    """
+    method = get_quant_method(model.quantization)
+    prequantized = prequantized or {}
+    if not method.from_checkpoint:
+        model.unquantized_weight_bytes = weight_bytes(model)
+    linears = model.quantizable_linears()
+    activation_absmax = {}
+    if method.needs_calibration and calibration_token_ids:
+        activation_absmax = collect_input_absmax(model, calibration_token_ids, linears)
+    for owner, attribute, checkpoint_names in linears:
+        linear = getattr(owner, attribute)
+        parts = {name: prequantized.get(name) for name in checkpoint_names}
+        setattr(owner, attribute, method.quantize_linear(linear, parts, activation_absmax.get(linear)))
+    if model.fused_decode is not None:  # None: a family the C++ decode op does not run (Gemma 3)
+        model.fused_decode.invalidate()
+    if method.from_checkpoint:
+        quantized = [getattr(owner, attribute) for owner, attribute, _ in linears]
+        quantized = [m for m in quantized if hasattr(m, "input_order")]
+        # What the same layers would take as float weights in the compute dtype.
+        model.unquantized_weight_bytes = weight_bytes(model) + sum(
+            m.out_features * m.in_features * model.dtype.itemsize
+            - sum(t.numel() * t.element_size() for t in m.buffers() if t is not None and t is not m.bias)
+            for m in quantized)
+        if model.fused_decode is not None and any(m.input_order is not None for m in quantized):
+            model.fused_decode.enabled = False  # decode_layers has no input gather
+        return
+    tied = model.embed_tokens.weight.untyped_storage().data_ptr() == model.lm_head.weight_t.untyped_storage().data_ptr()
+    vocab = method.quantize_vocab(model.lm_head, model.embed_tokens.weight, tied)
+    if vocab is not None:
+        model.lm_head, table = vocab
+        model.embed_tokens = Int8Embedding(table, model.dtype)
+
+
+def calibration_token_ids(tokenizer, vocab_size: int, num_tokens: int = CALIBRATION_TOKENS) -> list[int]:
+    """``num_tokens`` token ids to calibrate on: the shipped text after its first
+    ``ACCURACY_TOKENS`` tokens, or, without a tokenizer (a model built from a checkpoint in
+    memory), ids drawn from ``[0, vocab_size)`` with seed 0."""
+    if tokenizer is None:
+        return torch.randint(0, vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = tokenizer.encode(TEXT_PATH.read_text(), add_special_tokens=False)
+    return ids[ACCURACY_TOKENS:ACCURACY_TOKENS + num_tokens] if len(ids) >= ACCURACY_TOKENS + num_tokens \
+        else ids[-num_tokens:]
+
+
+@torch.no_grad()
+def collect_input_absmax(model: nn.Module, token_ids: list[int],
+                         linears: Optional[list[QuantizableLinear]] = None) -> dict[nn.Module, torch.Tensor]:
+    """``{layer: [in_features] fp32}``: the largest absolute input of every projection of
+    ``linears`` (default ``model.quantizable_linears()``) over one prefill of ``token_ids``
+    (one sequence, a temporary KV cache).
+
+    Raises:
+        ValueError: ``token_ids`` is empty or longer than the model's positions.
+    """
+    if not token_ids or len(token_ids) > model.rotary.cos.shape[0]:
+        raise ValueError(f"calibration needs 1 to {model.rotary.cos.shape[0]} tokens, got {len(token_ids)}")
+    absmax: dict[nn.Module, torch.Tensor] = {}
+
+    def record(module: nn.Module, inputs: tuple) -> None:
+        seen = inputs[0].detach().float().abs().amax(dim=0)
+        absmax[module] = seen if module not in absmax else torch.maximum(absmax[module], seen)
+
+    linears = model.quantizable_linears() if linears is None else linears
+    hooks = [getattr(owner, attribute).register_forward_pre_hook(record) for owner, attribute, _ in linears]
+    try:
+        num_tokens = len(token_ids)
+        num_blocks = -(-num_tokens // _BLOCK_SIZE)
+        cache_shape = (num_blocks, _BLOCK_SIZE, model.num_kv_heads_per_rank, model.config.head_dim)
+        kv_caches = [(torch.zeros(cache_shape, dtype=model.dtype), torch.zeros(cache_shape, dtype=model.dtype))
+                     for _ in model.layers]
+        metadata = AttentionMetadata(slot_mapping=torch.arange(num_tokens),
+                                     prefills=[PrefillSequence(0, num_tokens, num_tokens, torch.arange(num_blocks))])
+        model(torch.tensor(token_ids), torch.arange(num_tokens), kv_caches, metadata)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return absmax
