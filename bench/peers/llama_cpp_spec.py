@@ -45,7 +45,9 @@ def main():
                         help="num_pred_tokens of LlamaPromptLookupDecoding (0: no speculation)")
     parser.add_argument("--max-ngram-size", type=int, default=2,
                         help="LlamaPromptLookupDecoding's max_ngram_size (its default 2)")
-    parser.add_argument("--n-ctx", type=int, default=2048)
+    parser.add_argument("--n-ctx", type=int, default=0,
+                        help="context size (default: prompt + max_tokens + K + 8; with prompt lookup, "
+                             "llama-cpp-python keeps n_ctx x vocabulary logits in numpy)")
     args = parser.parse_args()
     if args.max_tokens < 2:
         parser.error(f"--max-tokens must be >= 2 (a decode rate needs two tokens), got {args.max_tokens}")
@@ -53,12 +55,13 @@ def main():
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     prompt = json.loads(open(args.prompt_json).read())["prompt_token_ids"]
-    if len(prompt) + args.max_tokens + args.prompt_lookup > args.n_ctx:
-        parser.error(f"prompt ({len(prompt)}) + --max-tokens + K exceeds --n-ctx {args.n_ctx}")
+    needed = len(prompt) + args.max_tokens + args.prompt_lookup + 8
+    if args.n_ctx and args.n_ctx < needed:
+        parser.error(f"--n-ctx {args.n_ctx} is below prompt ({len(prompt)}) + --max-tokens + K + 8 = {needed}")
     draft = (LlamaPromptLookupDecoding(max_ngram_size=args.max_ngram_size, num_pred_tokens=args.prompt_lookup)
              if args.prompt_lookup else None)
     start = time.perf_counter()
-    llm = Llama(model_path=args.gguf, n_ctx=args.n_ctx, n_batch=512, n_threads=args.threads,
+    llm = Llama(model_path=args.gguf, n_ctx=args.n_ctx or needed, n_batch=512, n_threads=args.threads,
                 n_threads_batch=args.threads, draft_model=draft, verbose=False)
     startup_s = time.perf_counter() - start
     generate(llm, prompt, 4)

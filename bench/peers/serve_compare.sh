@@ -79,6 +79,10 @@ for system in $SYSTEMS; do
       --num-prompts 64 --seed 0 "$@" 2>&1 | grep -E "Successful|duration|throughput|TTFT|TPOT" \
       | tee "$LOGS/$system.result"
     [ -s "$LOGS/$system.result" ] && RAN+=("$system")
+    if [ "$system" = pagedllm-spec ]; then  # the proof that drafts were verified, and how many were accepted
+      curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total' \
+        | sed -E 's/\{[^}]*\}//' | tee "$LOGS/$system.spec_metrics"
+    fi
   else
     echo "$system did not start; see $LOGS/$system.log"
   fi

@@ -58,4 +58,12 @@ for metric in metrics:
     ratio = statistics.median(spec) / statistics.median(none) if statistics.median(none) else float("nan")
     print(f"{metric:34} {shown[0]:>28} {shown[1]:>28}   {ratio:.3f}")
 print(f"({rounds} rounds; throughput: higher is better; TTFT / TPOT: lower is better)")
+for round_dir in sorted(base.glob("round*")):
+    path = round_dir / "pagedllm-spec.spec_metrics"
+    counts = dict(line.split() for line in path.read_text().splitlines()) if path.exists() else {}
+    drafts = float(counts.get("vllm:spec_decode_num_draft_tokens_total", 0))
+    accepted = float(counts.get("vllm:spec_decode_num_accepted_tokens_total", 0))
+    print(f"{round_dir.name} pagedllm-spec: {float(counts.get('vllm:spec_decode_num_drafts_total', 0)):.0f} drafts, "
+          f"{drafts:.0f} draft tokens, {accepted:.0f} accepted"
+          + (f" (acceptance rate {accepted / drafts:.2f})" if drafts else " (speculation never proposed)"))
 EOF
