@@ -199,8 +199,11 @@ def main() -> int:
             prefixes = [common_prefix(r["token_ids"], reference) for r in rs]
             agree = (str(all(r["token_ids"] == reference for r in rs)) if name.startswith("pagedllm")
                      else f"common prefix {min(prefixes)}/{len(reference)}")
-            steps = (f"{statistics.median(r['tokens_per_step'] for r in rs):.2f} | "
-                     f"{statistics.median(r['acceptance'] for r in rs):.2f}" if "tokens_per_step" in rs[0] else "- | -")
+            steps = "- | -"
+            if "tokens_per_step" in rs[0]:
+                acceptance = [r["acceptance"] for r in rs if r["acceptance"] == r["acceptance"]]  # NaN: no drafts
+                steps = (f"{statistics.median(r['tokens_per_step'] for r in rs):.2f} | "
+                         + (f"{statistics.median(acceptance):.2f}" if acceptance else "-"))
             lines.append(f"| {name} | {med[name]:.1f} | {med[name] / med['pagedllm none']:.2f}x | "
                          f"{med[name] / med[best_llama]:.2f}x | {steps} | {agree} |")
         print("\n".join(lines), flush=True)
