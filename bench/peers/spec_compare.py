@@ -183,8 +183,9 @@ def main() -> int:
                 log = workdir / "logs" / f"{stamp}_spec_{workload}_{index + 1}_{name.replace(' ', '_')}.log"
                 r = run_one(cmd, dict(os.environ), log, args.timeout)
                 runs[name].append(r)
-                extra = (f", acceptance {r['acceptance']:.2f}, {r['tokens_per_step']:.2f} tokens/step"
-                         if "tokens_per_step" in r else "")
+                extra = f", {r['tokens_per_step']:.2f} tokens/step" if "tokens_per_step" in r else ""
+                if r.get("acceptance", float("nan")) == r.get("acceptance"):  # NaN: nothing drafted
+                    extra += f", acceptance {r['acceptance']:.2f}"
                 print(f"{name:>{width}} #{index + 1}: {r['tok_s']:7.1f} tok/s{extra}   (start-up {r['startup_s']} s, "
                       f"load avg {load:.1f})", flush=True)
         reference = runs["pagedllm none"][0]["token_ids"]
