@@ -93,6 +93,14 @@ CONFIGS = {
 }
 
 
+def build_prompt(tokenizer, text: str) -> list[int]:
+    """The workload's prompt token ids: ``text`` as one user turn in the model's chat template,
+    with the assistant's generation prompt (bench/peers/spec_compare.py sends the same ids)."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                           add_generation_prompt=True)
+    return list(getattr(prompt, "input_ids", prompt))
+
+
 def make_engine(base: LLMEngine, config, batch_size: int = 1) -> LLMEngine:
     """An engine over ``base``'s loaded model and tokenizer with ``speculative_config=config``."""
     if config is not None and batch_size > 1:
@@ -138,9 +146,7 @@ def bench_workload(name: str, args: argparse.Namespace) -> None:
     base = LLMEngine(EngineArgs.from_kwargs(model=model, dtype=args.dtype, kv_cache_memory_bytes=64 * 2**20,
                                             max_model_len=2048))
     tokenizer = base.tokenizer
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                           add_generation_prompt=True)
-    prompt = list(getattr(prompt, "input_ids", prompt))
+    prompt = build_prompt(tokenizer, text)
     draft = {"model": args.draft_model or model, "quantization": args.draft_quantization or None}
     engines = {config: make_engine(base, dict(CONFIGS[config], **draft) if config == "draft_model" else CONFIGS[config])
                for config in args.configs}

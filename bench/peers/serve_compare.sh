@@ -9,7 +9,11 @@
 #   bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
 #   PAGEDLLM_ARGS="--quantization w8a8" bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
 #   SYSTEMS="pagedllm vllm llama-server" bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
+#   SYSTEMS="pagedllm pagedllm-spec" bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
 #
+# pagedllm-spec is `pagedllm serve` with PAGEDLLM_ARGS and --speculative-config "$SPEC_CONFIG"
+# (default ngram, 5 tokens, adaptive: disable_by_batch_size left at its default);
+# serve_spec_compare.sh alternates it with pagedllm.
 # Needs setup_vllm.sh's venv and exported model (VLLM_VENV, MODEL_DIR below; by default under
 # $PAGEDLLM_PEERS_DIR, itself $PAGEDLLM_CACHE_DIR/peers by default). Loopback only.
 # llama-server (setup_llama_server.sh) serves LLAMA_GGUF (setup_llama_cpp.sh's q8_0 conversion of
@@ -28,17 +32,26 @@ LOGS=${LOGS:-$PEERS_DIR/serve-logs}
 SYSTEMS=${SYSTEMS:-pagedllm vllm}
 LLAMA_SERVER=${LLAMA_SERVER:-$PEERS_DIR/llama-server}
 LLAMA_GGUF=${LLAMA_GGUF:-$PEERS_DIR/smollm2-q8_0.gguf}
+SPEC_CONFIG=${SPEC_CONFIG:-'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'}
 mkdir -p "$LOGS"
 export HF_HUB_OFFLINE=1
 
 grep -m1 "model name" /proc/cpuinfo
 echo "flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx512_bf16|avx512_vnni|avx_vnni|amx_bf16|amx_int8)$' | tr '\n' ' ')"
 echo "systems: $SYSTEMS; dtype $DTYPE; client options: $*; pagedllm options: ${PAGEDLLM_ARGS:-none}"
+case " $SYSTEMS " in *" pagedllm-spec "*) echo "pagedllm-spec: --speculative-config '$SPEC_CONFIG'";; esac
+
+descendants() {  # $1: pid; prints the ids of all its descendants
+  local child
+  for child in $(pgrep -P "$1"); do echo "$child"; descendants "$child"; done
+}
 
 start_server() {  # $1: system
-  if [ "$1" = pagedllm ]; then
+  if [ "$1" = pagedllm ] || [ "$1" = pagedllm-spec ]; then
+    local spec=()
+    [ "$1" = pagedllm-spec ] && spec=(--speculative-config "$SPEC_CONFIG")
     "$PAGEDLLM" serve --port "$PORT" --dtype "$DTYPE" --kv-cache-memory-bytes 4294967296 \
-      --served-model-name bench ${PAGEDLLM_ARGS:-} > "$LOGS/pagedllm.log" 2>&1 &
+      --served-model-name bench ${PAGEDLLM_ARGS:-} "${spec[@]}" > "$LOGS/$1.log" 2>&1 &
   elif [ "$1" = llama-server ]; then
     "$LLAMA_SERVER" -m "$LLAMA_GGUF" --host 127.0.0.1 --port "$PORT" -np 16 -c $((16 * 2048)) \
       -t "$(nproc)" -cb --alias bench > "$LOGS/llama-server.log" 2>&1 &
@@ -66,12 +79,18 @@ for system in $SYSTEMS; do
       --num-prompts 64 --seed 0 "$@" 2>&1 | grep -E "Successful|duration|throughput|TTFT|TPOT" \
       | tee "$LOGS/$system.result"
     [ -s "$LOGS/$system.result" ] && RAN+=("$system")
+    if [ "$system" = pagedllm-spec ]; then  # the proof that drafts were verified, and how many were accepted
+      curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total' \
+        | sed -E 's/\{[^}]*\}//' | tee "$LOGS/$system.spec_metrics"
+    fi
   else
     echo "$system did not start; see $LOGS/$system.log"
   fi
-  pkill -TERM -P "$SERVER" 2>/dev/null; kill -TERM "$SERVER" 2>/dev/null
+  # The server and every process under it (vllm's engine core), by id, listed before any exits.
+  PIDS="$SERVER $(descendants "$SERVER")"
+  kill -TERM $PIDS 2>/dev/null
   for _ in $(seq 1 30); do kill -0 "$SERVER" 2>/dev/null || break; sleep 1; done
-  kill -KILL "$SERVER" 2>/dev/null; pkill -KILL -f -- "--port $PORT" 2>/dev/null
+  kill -KILL $PIDS 2>/dev/null
   sleep 2
 done
 
