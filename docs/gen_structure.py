@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / "pagedllm"
 # Low to high. A module belongs to the layer of its longest listed prefix; a module may
 # import its own layer and the layers below, never one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("pagedllm.version", "pagedllm.envs", "pagedllm.utils", "pagedllm.platform", "pagedllm.cpu_isa",
+    ("foundation", ("pagedllm.version", "pagedllm.data", "pagedllm.envs", "pagedllm.utils", "pagedllm.platform", "pagedllm.cpu_isa",
                     "pagedllm.huge_pages", "pagedllm.config", "pagedllm.sampling_params", "pagedllm.outputs",
                     "pagedllm.structured_output", "pagedllm.lora.request")),
     ("core: scheduling policy and block bookkeeping", ("pagedllm.core",)),

@@ -45,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # bench/spec_decode.py
 import spec_decode  # noqa: E402
 
-PAGEDLLM_CONFIGS = list(spec_decode.CONFIGS)
+SPEC_CONFIGS = list(spec_decode.CONFIGS)
 
 
 def pagedllm_worker(prompt_path: str, options_json: str) -> None:
@@ -94,7 +94,7 @@ def main() -> int:
     peers_dir = envs.PAGEDLLM_PEERS_DIR
     parser.add_argument("--workloads", nargs="+", choices=sorted(spec_decode.WORKLOADS),
                         default=["code-edit", "summary"])
-    parser.add_argument("--configs", nargs="+", choices=PAGEDLLM_CONFIGS, default=["none", "ngram", "suffix"],
+    parser.add_argument("--configs", nargs="+", choices=SPEC_CONFIGS, default=["none", "ngram", "suffix"],
                         help="pagedllm configurations; 'none' always runs (the reference)")
     parser.add_argument("--llama-prompt-lookup", nargs="*", type=int, default=[5, 10], metavar="K",
                         help="llama.cpp prompt-lookup num_pred_tokens values, each beside a plain run")
