@@ -77,7 +77,7 @@ class Worker:
         args = self.args
         prequantized = None
         quantization = args.quantization
-        path = None
+        path = tokenizer_path = None
         if self._checkpoint is not None:
             config, state_dict = self._checkpoint
             self._checkpoint = None
@@ -90,9 +90,10 @@ class Worker:
             path = resolve_model_path(args.model)
             config, state_dict = load_checkpoint(path)
             quantization, prequantized = load_prequantized(path, args.quantization)
-            if self.rank == 0:
-                self.tokenizer = load_tokenizer(path)
+            tokenizer_path = path if self.rank == 0 else None
         self.shard.check(config, quantization)  # the quantization method checks its own limits
+        if tokenizer_path is not None:  # after the check: a refused configuration reads no tokenizer
+            self.tokenizer = load_tokenizer(tokenizer_path)
         self._loaded = (path, config, state_dict, quantization, prequantized)
 
     def load_model(self) -> None:
