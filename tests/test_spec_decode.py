@@ -501,10 +501,9 @@ def test_no_drafts_when_more_sequences_run_than_disable_by_batch_size():
 
 
 # ----------------------------------------------------------------------------- metrics
-def test_counters_count_what_ran_and_reach_prometheus():
-    """The engine's counters equal what the scheduler scheduled and the sampler accepted; the
-    Prometheus series (vLLM's names) follow the snapshots."""
-    engine = spec_engine(dict(NGRAM, disable_by_batch_size=None))
+def run_counting_drafts(engine, num_prompts: int, max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Run ``num_prompts`` repetitive greedy prompts to the end; returns the drafts each step
+    scheduled (one list per verifying request) and the number each verification accepted."""
     scheduled_drafts, accepted = [], []
     schedule, execute = engine.scheduler.schedule, engine.model_runner.execute_model
 
@@ -519,8 +518,16 @@ def test_counters_count_what_ran_and_reach_prometheus():
         return output
 
     engine.scheduler.schedule, engine.model_runner.execute_model = schedule_spy, execute_spy
-    run_to_completion_outputs(engine, repetitive_prompts(4),
-                              [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * 4)
+    run_to_completion_outputs(engine, repetitive_prompts(num_prompts),
+                              [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * num_prompts)
+    return scheduled_drafts, accepted
+
+
+def test_counters_count_what_ran_and_reach_prometheus():
+    """The engine's counters equal what the scheduler scheduled and the sampler accepted; the
+    Prometheus series (vLLM's names) follow the snapshots."""
+    engine = spec_engine(dict(NGRAM, disable_by_batch_size=None))
+    scheduled_drafts, accepted = run_counting_drafts(engine, 4, max_tokens=30)
     stats = engine.make_stats()
     assert stats.spec_decode_num_drafts == len(scheduled_drafts) > 0
     assert stats.spec_decode_num_draft_tokens == sum(map(len, scheduled_drafts))

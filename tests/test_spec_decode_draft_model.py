@@ -21,8 +21,8 @@ from pagedllm.spec_decode import DraftModelProposer
 from pagedllm.utils import cdiv
 from pagedllm.worker.kv_cache_sizing import bytes_per_block
 from tests.conftest import make_tiny_engine, run_to_completion, save_tiny_checkpoint, tiny_config
-from tests.test_spec_decode import (check_rollback_invariants, repetitive_prompts, run_to_completion_outputs,
-                                    sample_sequences, two_sample_p_value)
+from tests.test_spec_decode import (check_rollback_invariants, repetitive_prompts, run_counting_drafts,
+                                    run_to_completion_outputs, sample_sequences, two_sample_p_value)
 
 K = 4
 
@@ -204,22 +204,7 @@ def test_sampled_sequences_have_the_non_speculative_distribution(drafts):
 def test_counters_count_draft_model_drafts(drafts):
     """The spec_decode counters equal the drafts scheduled and accepted; Prometheus shows them."""
     engine = make_tiny_engine(speculative_config=draft_config(drafts["smaller"]))
-    scheduled, accepted = [], []
-    schedule, execute = engine.scheduler.schedule, engine.model_runner.execute_model
-
-    def schedule_spy(*args, **kwargs):
-        output = schedule(*args, **kwargs)
-        scheduled.extend(output.scheduled_spec_decode_tokens.values())
-        return output
-
-    def execute_spy(*args, **kwargs):
-        output = execute(*args, **kwargs)
-        accepted.extend(output.num_accepted_tokens.values())
-        return output
-
-    engine.scheduler.schedule, engine.model_runner.execute_model = schedule_spy, execute_spy
-    run_to_completion_outputs(engine, repetitive_prompts(3),
-                              [SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)] * 3)
+    scheduled, accepted = run_counting_drafts(engine, 3, max_tokens=25)
     stats = engine.make_stats()
     assert stats.spec_decode_num_drafts == len(scheduled) > 0
     assert stats.spec_decode_num_draft_tokens == sum(map(len, scheduled))
