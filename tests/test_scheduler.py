@@ -436,3 +436,12 @@ def test_unknown_policy_and_negative_aging_are_refused():
         Scheduler(kv, 2, 16, 16, policy="lifo")
     with pytest.raises(ValueError, match="priority_aging_interval must be >= 0 seconds, got -1"):
         Scheduler(kv, 2, 16, 16, policy="priority", priority_aging_interval=-1)
+
+
+def test_token_ids_between_equals_the_slice_of_all_token_ids():
+    """Every [start, end) over a prompt and an output: inside either, and across the border."""
+    request = Request("r", [10, 11, 12, 13], SamplingParams(), max_tokens=8, eos_token_id=None)
+    request.output_token_ids = [20, 21, 22]
+    for start in range(request.num_tokens + 1):
+        for end in range(start, request.num_tokens + 1):
+            assert request.token_ids_between(start, end) == request.all_token_ids[start:end], (start, end)

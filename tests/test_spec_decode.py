@@ -131,15 +131,17 @@ def repetitive_prompts(count: int) -> list[list[int]]:
     return prompts
 
 
-def step_checking_rollback(engine) -> dict:
-    """Step to the end, checking ``check_rollback_invariants`` after every step; the final
-    ``RequestOutput`` by request id."""
+def step_checking_rollback(engine, extra_check=None) -> dict:
+    """Step to the end, checking ``check_rollback_invariants`` (and ``extra_check(engine)``)
+    after every step; the final ``RequestOutput`` by request id."""
     finals = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 finals[output.request_id] = output
         check_rollback_invariants(engine)
+        if extra_check is not None:
+            extra_check(engine)
     return finals
 
 

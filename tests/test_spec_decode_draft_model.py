@@ -21,8 +21,9 @@ from pagedllm.spec_decode import DraftModelProposer
 from pagedllm.utils import cdiv
 from pagedllm.worker.kv_cache_sizing import bytes_per_block
 from tests.conftest import make_tiny_engine, run_to_completion, save_tiny_checkpoint, tiny_config
-from tests.test_spec_decode import (check_rollback_invariants, repetitive_prompts, run_counting_drafts,
-                                    run_to_completion_outputs, sample_sequences, two_sample_p_value)
+from tests.test_spec_decode import (repetitive_prompts, run_counting_drafts,
+                                    run_to_completion_outputs, sample_sequences, step_checking_rollback,
+                                    two_sample_p_value)
 
 K = 4
 
@@ -65,13 +66,7 @@ def run_checked(engine: LLMEngine, prompts: list, params: list[SamplingParams]) 
     step; afterwards neither pool holds a block. The final ``RequestOutput``s by id."""
     for i, (prompt, param) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", prompt, param)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = output
-        check_rollback_invariants(engine)
-        check_draft_pool(engine)
+    finals = step_checking_rollback(engine, check_draft_pool)
     for manager in (engine.kv_cache_manager, engine.proposer.kv_cache_manager):
         assert manager.block_pool.num_used_blocks == 0 and not manager.req_to_blocks
     assert not engine.proposer._sequences

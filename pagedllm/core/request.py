@@ -125,6 +125,16 @@ class Request:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (once per request and
+        step: a decode step would otherwise copy the context)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
     def is_finished(self) -> bool:
         return self.status.finished
 

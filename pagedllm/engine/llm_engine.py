@@ -468,7 +468,7 @@ class LLMEngine:
             if drafts:
                 token_ids = [request.token_id_at(start)] + drafts
             else:
-                token_ids = request.all_token_ids[start:end]
+                token_ids = request.token_ids_between(start, end)
             sampled: list[Request] = []
             if drafts or (end == request.num_tokens and request.max_tokens > 0):
                 # A max_tokens=0 request runs only for its prompt logprobs (echo).
