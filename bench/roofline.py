@@ -65,6 +65,13 @@ def gemm_peaks(m: int, n: int, k: int, repeats: int) -> dict:
     return peaks
 
 
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights one decode step reads: the decoder layers', final norm's and LM
+    head's as built (the token embedding is a row lookup). One ``weight_bytes`` over the three,
+    since the layers' weights may share one storage with the others (each counted once)."""
+    return weight_bytes(torch.nn.ModuleList([model.layers, model.norm, model.lm_head]))
+
+
 def model_fractions(args: argparse.Namespace, bandwidth: float, peaks: dict) -> dict:
     """Decode and prefill of one ``--context``-token request against the bounds."""
     llm = scale.build_llm(args, args.context + args.decode_tokens,
@@ -73,8 +80,7 @@ def model_fractions(args: argparse.Namespace, bandwidth: float, peaks: dict) -> 
     model, config = engine.model, engine.model_config
     scale.single_stream(llm, [1] * 64, 4)  # warm-up
     measured = scale.single_stream(llm, scale._prompt(args.context, config.vocab_size, 0), args.decode_tokens)
-    step_bytes = (weight_bytes(model.layers) + weight_bytes(model.norm) + weight_bytes(model.lm_head)
-                  + args.context * engine.bytes_per_block // scale.BLOCK_SIZE)
+    step_bytes = decode_weight_bytes(model) + args.context * engine.bytes_per_block // scale.BLOCK_SIZE
     bound_rate = bandwidth / step_bytes
     projections = sum(shape[0] * shape[1] for name, shape in hf_weight_shapes(config).items()
                       if ".layers." in name and name.endswith("proj.weight"))

@@ -1,7 +1,7 @@
 """Runs in the llama-cpp-python venv: single-stream decode of a GGUF file, printed as one
 ``RESULT {json}`` line (the protocol of ``compare.py``).
 
-    VENV/bin/python llama_cpp_single_stream.py --gguf FILE --prompt-json FILE [--new-tokens 128]
+    VENV/bin/python llama_cpp_single_stream.py --gguf FILE --prompt-json FILE [--new-tokens 128] [--n-ctx 1024]
 
 The prompt is given as token ids (pagedllm's tokenizer; a GGUF converted from the same Hugging
 Face folder has the same vocabulary). Greedy (``temp=0``), EOS ignored (``Llama.generate`` does
@@ -35,12 +35,13 @@ def main():
     parser.add_argument("--prompt-json", required=True, help='{"prompt_token_ids": [...], "warmup_token_ids": [...]}')
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--n-ctx", type=int, default=1024, help="llama.cpp's context (KV cache) in tokens")
     args = parser.parse_args()
     from llama_cpp import Llama, __version__
 
     data = json.loads(open(args.prompt_json).read())
     start = time.perf_counter()
-    llm = Llama(model_path=args.gguf, n_ctx=1024, n_batch=512, n_threads=args.threads,
+    llm = Llama(model_path=args.gguf, n_ctx=args.n_ctx, n_batch=512, n_threads=args.threads,
                 n_threads_batch=args.threads, verbose=False)
     startup_s = time.perf_counter() - start
     generate(llm, data["warmup_token_ids"], 4)
