@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/peers/compare.py [--repeats 2] [--num-requests 64]
         [--dtype float32|bfloat16] [--quantization int8|int4|w8a8|w4a8] [--kv-cache-dtype bfloat16]
-        [--no-warm-kv-cache]
+        [--no-warm-kv-cache] [--config bench/configs/SmolLM2-1.7B-Instruct.json]
 
 Builds pagedllm's throughput workload (``pagedllm.benchmarks.throughput.build_workload`` with the
 default model's tokenizer), writes it as JSON, then runs pagedllm, vllm, pagedllm, vllm, ... each
@@ -11,6 +11,11 @@ and single-stream decode speed (256-token prompt, 128 new tokens). Both systems 
 (default fp32) with prefix caching off; ``--quantization`` and ``--kv-cache-dtype`` apply to
 pagedllm only. The run prints the CPU model and its bf16 / VNNI / AMX flags, and the load
 average before each run. Needs the vllm venv and the exported model from ``setup_vllm.sh``.
+
+``--config`` runs both systems on a model of that ``config.json``'s shape with random weights
+(``load_format="dummy"`` on both sides; vllm without a tokenizer), on the same workload's token
+ids (SmolLM2's vocabulary, valid in any vocabulary at least as large): the serving sizes of
+issue 38 without their weights. The greedy cross-check is skipped then (the weights differ).
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ _INTERESTING = re.compile(r"WARNING|ERROR|backend|[Aa]ttention|dtype|thread|OMP|
                           re.IGNORECASE)
 
 
-def pagedllm_worker(workload_path: str, dtype: str, quantization, kv_cache_dtype: str, warm_kv_cache: bool) -> None:
+def pagedllm_worker(workload_path: str, dtype: str, quantization, kv_cache_dtype: str, warm_kv_cache: bool,
+                    config: str | None = None) -> None:
     """One pagedllm run (in its own process): warm-up, the workload, single stream; prints RESULT."""
     from pagedllm import LLM
     from pagedllm.benchmarks.throughput import (BenchRequest, run_pagedllm,
@@ -44,8 +50,9 @@ def pagedllm_worker(workload_path: str, dtype: str, quantization, kv_cache_dtype
     data = json.loads(Path(workload_path).read_text())
     workload = [BenchRequest(r["prompt_token_ids"], r["output_len"]) for r in data["requests"]]
     start = time.perf_counter()
+    model = {"model": config, "load_format": "dummy"} if config else {}
     llm = LLM(kv_cache_memory_bytes=4 << 30, enable_prefix_caching=False, dtype=dtype,
-              quantization=quantization, kv_cache_dtype=kv_cache_dtype, warm_kv_cache=warm_kv_cache)
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype, warm_kv_cache=warm_kv_cache, **model)
     startup_s = time.perf_counter() - start
     # Same warm-up as pagedllm's own benchmark: first two prompts, 4 tokens each.
     run_pagedllm(llm, [BenchRequest(r.prompt_token_ids, 4) for r in workload[:2]])
@@ -150,11 +157,12 @@ def main() -> int:
                              "(torch.zeros in vllm/v1/worker/utils.py: allocate_kv_cache) is before "
                              "its timed run; --no-warm-kv-cache: a fresh block's first write faults "
                              "its pages in inside the timed steps")
+    parser.add_argument("--config", help="a config.json: both systems on random weights of its shape")
     parser.add_argument("--worker-pagedllm", metavar="WORKLOAD_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker_pagedllm:
         pagedllm_worker(args.worker_pagedllm, args.dtype, args.quantization, args.kv_cache_dtype,
-                        args.warm_kv_cache)
+                        args.warm_kv_cache, args.config)
         return 0
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -176,15 +184,24 @@ def main() -> int:
     print(f"machine: {os.cpu_count()} CPUs, {model_name}, flags: {' '.join(units) or 'none of bf16/VNNI/AMX'}",
           flush=True)
     print(f"both systems {args.dtype}, prefix caching off; pagedllm quantization {args.quantization}, "
-          f"kv_cache_dtype {args.kv_cache_dtype}, warm_kv_cache {args.warm_kv_cache}; vllm model {args.model_dir}",
+          f"kv_cache_dtype {args.kv_cache_dtype}, warm_kv_cache {args.warm_kv_cache}; "
+          f"{'random weights of ' + args.config if args.config else 'vllm model ' + args.model_dir}",
           flush=True)
 
+    vllm_model = ["--model", args.model_dir]
+    if args.config:
+        # vllm takes a folder: one holding only the config.
+        config_dir = workdir / f"dummy-{Path(args.config).stem}"
+        config_dir.mkdir(exist_ok=True)
+        (config_dir / "config.json").write_text(Path(args.config).read_text())
+        vllm_model = ["--model", str(config_dir), "--load-format", "dummy", "--skip-tokenizer-init"]
     commands = {
         "pagedllm": ([sys.executable, str(Path(__file__).resolve()), "--worker-pagedllm", str(workload_path),
                       "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype,
                       "--warm-kv-cache" if args.warm_kv_cache else "--no-warm-kv-cache"]
-                     + (["--quantization", args.quantization] if args.quantization else []), dict(os.environ)),
-        "vllm": ([str(venv / "bin" / "python"), str(HERE / "vllm_throughput.py"), "--model", args.model_dir,
+                     + (["--quantization", args.quantization] if args.quantization else [])
+                     + (["--config", args.config] if args.config else []), dict(os.environ)),
+        "vllm": ([str(venv / "bin" / "python"), str(HERE / "vllm_throughput.py"), *vllm_model,
                   "--workload", str(workload_path), "--dtype", args.dtype], vllm_env(venv)),
     }
     print("vllm env: " + " ".join(f"{k}={commands['vllm'][1][k]}" for k in
@@ -220,9 +237,10 @@ def main() -> int:
         a, b = statistics.median(ss["pagedllm"]), statistics.median(ss["vllm"])
         print(f"single stream decode medians: pagedllm {a:.1f}, vllm {b:.1f} tokens/s, ratio {a / b:.2f}x")
 
-    a, b = runs["pagedllm"][0]["check_token_ids"], runs["vllm"][0]["check_token_ids"]
-    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    print(f"\ngreedy cross-check, request 0 (64 tokens): pagedllm and vllm agree on the first {same} tokens")
+    if not args.config:
+        a, b = runs["pagedllm"][0]["check_token_ids"], runs["vllm"][0]["check_token_ids"]
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        print(f"\ngreedy cross-check, request 0 (64 tokens): pagedllm and vllm agree on the first {same} tokens")
 
     # What vllm said about itself (deduplicated across runs, timestamps stripped).
     print("\nvllm log lines of interest (per-run logs in", logdir, "):")

@@ -66,6 +66,8 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     parser.add_argument("--no-single-stream", dest="single_stream", action="store_false")
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights of the config's shape")
+    parser.add_argument("--skip-tokenizer-init", action="store_true", help="a folder without a tokenizer")
     args = parser.parse_args()
 
     from vllm import LLM
@@ -76,7 +78,8 @@ def main():
 
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, load_format=args.load_format,
+              skip_tokenizer_init=args.skip_tokenizer_init)
     startup_s = time.perf_counter() - t0
     sched = llm.llm_engine.vllm_config.scheduler_config
     print(f"vllm scheduler: max_num_seqs={sched.max_num_seqs} "
