@@ -15,8 +15,9 @@ decode the rate after it.
 The bound: the read bandwidth (``bench/roofline.py``'s ``src.sum()`` over 512 MiB, measured in
 this process before the runs) over the bytes one decode step must read: pagedllm's decoder
 layers, final norm and LM head as built (``roofline.model_fractions``' count) plus the
-context's KV; llama.cpp's GGUF tensors other than ``token_embd`` (a row lookup) plus an f16
-KV cache of the context (its default).
+context's KV; llama.cpp's GGUF tensors other than ``token_embd`` (a row lookup, unless the file
+has no ``output.weight`` and the embedding is the LM head too) plus an f16 KV cache of the
+context (its default).
 """
 
 from __future__ import annotations
@@ -64,12 +65,15 @@ def pagedllm_worker(config: str, pair: str, prompt_path: str) -> None:
 
 
 def gguf_step_bytes(path: str, context: int) -> int:
-    """Bytes a llama.cpp decode step reads: every tensor but ``token_embd``, plus an f16 KV cache
-    of ``context`` tokens."""
+    """Bytes a llama.cpp decode step reads: every tensor but ``token_embd`` (unless it is also the
+    LM head), plus an f16 KV cache of ``context`` tokens."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
-    tensors = sum(int(t.n_bytes) for t in reader.tensors if not t.name.startswith("token_embd"))
+    names = {t.name for t in reader.tensors}
+    # Without an output.weight the embedding is also the LM head, read whole every step.
+    tied = "output.weight" not in names
+    tensors = sum(int(t.n_bytes) for t in reader.tensors if tied or not t.name.startswith("token_embd"))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
 
     def field(key: str) -> int:
