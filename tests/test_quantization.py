@@ -147,6 +147,14 @@ def test_real_q4_1_tensor_dequantizes_exactly_like_gguf():
     np.testing.assert_array_equal(int4_from_q4_1(tensor.data, shape).dequantize().numpy(), expected)
 
 
+def test_weight_bytes_counts_each_quantized_buffer_once():
+    """An ``Int4Linear``'s ``packed`` codes are a buffer: its bytes are codes (half a byte per
+    weight) plus fp32 scales and mins (8 bytes per 32-weight group), not the codes twice."""
+    n, k = 64, 128
+    layer = Int4Linear.from_float(torch.randn(n, k), None)
+    assert weight_bytes(layer) == n * k // 2 + 2 * 4 * n * k // 32
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_model_equals_float_model_with_dequantized_weights(method):
     """quantize_model wires every layer (fused Q/K/V and gate/up, o, down): the

@@ -238,10 +238,12 @@ class Int8Embedding(nn.Module):
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers, each distinct storage counted once, and of
-    its oneDNN-packed linear weights (``Linear.packed``, which have no storage)."""
+    its oneDNN-packed linear weights (``Linear.packed``, mkldnn tensors with no storage; an
+    ``Int4Linear``'s ``packed`` codes are a buffer, counted once with the others)."""
     seen: dict[int, int] = {}
     for tensor in list(model.parameters()) + list(model.buffers()):
         storage = tensor.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
-    packed = [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)]
+    packed = [m.packed for m in model.modules()
+              if isinstance(getattr(m, "packed", None), torch.Tensor) and m.packed.is_mkldnn]
     return sum(seen.values()) + sum(p.numel() * p.element_size() for p in packed)
