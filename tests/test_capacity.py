@@ -40,6 +40,8 @@ def test_long_documents_fit_paged_at_least_as_contiguous(capsys):
     row = capacity_row(facts, budget, max_model_len=8192, num_requests=8)
     assert row.contiguous_requests == 3
     assert row.paged_peak_requests >= row.contiguous_requests
+    # Admission reserves each document's whole prompt: no preemption, nothing computed twice.
+    assert (row.num_preemptions, row.recompute_factor) == (0, 1.0)
     trace = long_document_trace(8, 8192, facts.vocab_size)
     assert all(MIN_DOCUMENT_TOKENS <= r.num_prompt_tokens <= 8192 - ANSWER_TOKENS for r in trace)
     assert len({r.prompt_token_ids[0] for r in trace}) == 8

@@ -256,6 +256,30 @@ def test_a_preempted_request_goes_back_in_front_of_older_waiting_requests():
     assert ids(scheduler.waiting) == ["b", "waiting"]
 
 
+def test_a_request_is_admitted_beside_others_only_when_its_whole_prompt_fits():
+    """8 blocks of 4 tokens, 12 tokens a step. a (16 tokens) holds 4 blocks after step 2; b
+    (20 tokens, 5 blocks) would fit its first 8-token chunk in the 4 free blocks, but not its
+    whole prompt: admitted on its first chunk, it would run out of blocks at its next chunk
+    (a's decode needs a 5th block) and be preempted by recompute. It waits for a instead."""
+    scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=12)
+    a = make_request("a", 16, arrival_time=0, max_tokens=3)
+    b = make_request("b", 20, arrival_time=1, max_tokens=2)
+    scheduler.add_request(a)
+    assert scheduled(step(scheduler)[0]) == [("a", 12)]
+    scheduler.add_request(b)
+    assert scheduled(step(scheduler)[0]) == [("a", 4)]
+    assert ids(scheduler.waiting) == ["b"] and scheduler.kv_cache_manager.block_pool.num_free_blocks == 4
+    assert scheduled(step(scheduler)[0]) == [("a", 1)]
+    output, finished = step(scheduler)
+    assert scheduled(output) == [("a", 1)] and ids(finished) == ["a"]
+    # a's blocks are free: b is admitted alone, on its first chunk.
+    assert scheduled(step(scheduler)[0]) == [("b", 12)]
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    assert scheduler.num_preemptions == 0
+    assert scheduler.kv_cache_manager.block_pool.num_free_blocks == 8
+
+
 def test_nothing_is_admitted_in_a_step_that_preempted():
     scheduler = make_scheduler(num_blocks=3)
     a, b = make_request("a", 4, arrival_time=0), make_request("b", 4, arrival_time=1)

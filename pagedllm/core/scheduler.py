@@ -19,6 +19,9 @@ from pagedllm.core.request import Request, RequestId, RequestStatus
 logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# Share of the pool kept free when a request is admitted beside running ones, for their decode
+# growth (vLLM v0's block manager ``watermark``, default 0.01).
+WATERMARK = 0.01
 
 
 @dataclass
@@ -58,8 +61,14 @@ class Scheduler:
 
     Each step walks the running requests first (oldest first), then admits waiting ones while
     the budget ``max_num_batched_tokens``, the ``max_num_seqs`` limit and free blocks allow. A
-    prompt longer than the budget is prefilled in chunks over several steps. When a running
-    request needs a block and none is free, the most recently arrived running request is
+    prompt longer than the budget is prefilled in chunks over several steps, but a request is
+    admitted beside running ones only if the free blocks hold its whole prompt and a watermark
+    of 1 % of the pool for decode growth (vLLM v0's ``BlockSpaceManager.can_allocate``; vLLM v1
+    checks only the first chunk). Admitted on its first chunk alone, a burst of long documents
+    fills the pool with half-prefilled prompts that then preempt one another, each preemption
+    costing a whole prompt's recompute (docs/benchmarks/serving-size.md, "Capacity"). With
+    nothing running, the first chunk's blocks are enough. When a running request needs a
+    block and none is free, the most recently arrived running request is
     preempted: its blocks are freed and it goes back to the front of the waiting queue, to be
     recomputed (prompt and generated tokens) when it is admitted again. Admission first takes
     the longest cached prefix (``get_computed_blocks``) and only then derives the tokens left
@@ -140,6 +149,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
         self.num_preemptions = 0
+        self.num_watermark_blocks = int(WATERMARK * kv_cache_manager.num_blocks)
         self.num_speculative_tokens = num_speculative_tokens
         self.disable_spec_by_batch_size = disable_spec_by_batch_size
         # Running totals (vLLM's spec_decode_num_* counters): steps where a request verified
@@ -255,6 +265,10 @@ class Scheduler:
             # prefix first, then compute only what is left (B15).
             computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_cached, token_budget)
+            num_blocks_reserved = self._num_blocks_to_admit(request, computed_blocks)
+            if self.running and (num_blocks_reserved + self.num_watermark_blocks
+                                 > self.kv_cache_manager.block_pool.num_free_blocks):
+                break
             if not self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_cached,
                                                         computed_blocks):
                 break
@@ -278,6 +292,13 @@ class Scheduler:
             output.lora_ids_in_use = frozenset(r.lora_int_id for r in self.running) - {0}
             assert len(output.lora_ids_in_use) <= self.max_loras, output.lora_ids_in_use
         return output
+
+    def _num_blocks_to_admit(self, request: Request, computed_blocks: list) -> int:
+        """Free blocks a waiting request takes to hold all its tokens: new ones past its cached
+        prefix, plus the cached ones it revives from the free list (ref count 0)."""
+        kv = self.kv_cache_manager
+        return (max(0, kv.num_blocks_needed(request.num_tokens) - len(computed_blocks))
+                + sum(1 for block in computed_blocks if block.ref_count == 0))
 
     def spec_decode_candidates(self) -> list[tuple[Request, int]]:
         """The running requests that may get drafts for the next step, each with the most

@@ -78,6 +78,9 @@ class CapacityRow:
         paged_peak_requests, paged_mean_requests: running requests of the replay, the most at
             once and the mean over its steps (each step weighs the same: no step times).
         num_preemptions: preemptions of the replay (a request evicted when the pool ran out).
+        recompute_factor: tokens the replay computed over the tokens of the trace (prompts and
+            answers, less each answer's last token, which is sampled, not computed): 1.0 means
+            no preemption cost anything; each preemption recomputes a whole context.
     """
 
     model: str
@@ -89,6 +92,7 @@ class CapacityRow:
     paged_peak_requests: int
     paged_mean_requests: float
     num_preemptions: int
+    recompute_factor: float
 
 
 def capacity_row(facts: ModelFacts, kv_cache_bytes: int, max_model_len: int, num_requests: int = 64,
@@ -104,22 +108,24 @@ def capacity_row(facts: ModelFacts, kv_cache_bytes: int, max_model_len: int, num
     num_blocks = kv_cache_bytes // facts.bytes_per_block(block_size)
     config = PlanConfig(max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
                         enable_prefix_caching=False, kv_cache_bytes=kv_cache_bytes)
-    result = replay(long_document_trace(num_requests, max_model_len, facts.vocab_size), config, unit_steps)
+    trace = long_document_trace(num_requests, max_model_len, facts.vocab_size)
+    result = replay(trace, config, unit_steps)
     metrics = summarize(result)
+    trace_tokens = sum(len(r.prompt_token_ids) + r.output_tokens - 1 for r in trace)
     return CapacityRow(model=Path(facts.model or "model").stem, kv_cache_dtype=facts.kv_cache_dtype,
                        bytes_per_token=facts.bytes_per_block(block_size) // block_size, max_model_len=max_model_len,
                        kv_cache_bytes=kv_cache_bytes, contiguous_requests=metrics.contiguous_max_len_concurrency,
                        paged_peak_requests=metrics.peak_concurrency, paged_mean_requests=metrics.mean_concurrency,
-                       num_preemptions=metrics.num_preemptions)
+                       num_preemptions=metrics.num_preemptions, recompute_factor=sum(s.num_scheduled_tokens for s in result.steps) / trace_tokens)
 
 
 def format_capacity_table(rows: Sequence[CapacityRow]) -> str:
     lines = ["| model | KV dtype | KV bytes / token | max_model_len | contiguous: requests | "
-             "paged: peak / mean running | preemptions |", "|---|---|---|---|---|---|---|"]
+             "paged: peak / mean running | preemptions | tokens computed / needed |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row.model} | {row.kv_cache_dtype} | {row.bytes_per_token:,} | {row.max_model_len:,} | "
                      f"{row.contiguous_requests} | {row.paged_peak_requests} / {row.paged_mean_requests:.1f} | "
-                     f"{row.num_preemptions} |")
+                     f"{row.num_preemptions} | {row.recompute_factor:.2f} |")
     return "\n".join(lines)
 
 
