@@ -59,7 +59,8 @@ def test_gemma2_equals_transformers(tiny_gemma2):
 
 def test_softcapped_decode_equals_softcapped_prefill():
     """A capped decode row (torch decode path) equals the last row of the capped prefill of
-    the same sequence (torch prefill path), window included."""
+    the same sequence (torch prefill path), window included, up to fp32 summation order (the
+    two paths reduce in another order: 1.4e-6 apart at a value of 3.4 on an AMX Xeon)."""
     torch.manual_seed(0)
     block_size, num_blocks, heads, kv_heads, head_dim, n = 4, 8, 4, 2, 16, 11
     key_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim)
@@ -71,7 +72,7 @@ def test_softcapped_decode_equals_softcapped_prefill():
                               AttentionMetadata(slots, prefills=[PrefillSequence(0, n, n, table)]), 0.25, 5, 2.0)
     decode = paged_attention(q[-1:], k[-1:], v[-1:], key_cache, value_cache,
                              AttentionMetadata(slots[-1:], 1, table[None], torch.tensor([n])), 0.25, 5, 2.0)
-    torch.testing.assert_close(decode, prefill[-1:], rtol=0, atol=1e-6)
+    torch.testing.assert_close(decode, prefill[-1:], rtol=2e-6, atol=1e-6)
     uncapped = paged_attention(q[-1:], k[-1:], v[-1:], key_cache, value_cache,
                                AttentionMetadata(slots[-1:], 1, table[None], torch.tensor([n])), 0.25, 5)
     assert (uncapped - decode).abs().max() > 1e-2
