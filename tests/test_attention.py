@@ -331,6 +331,32 @@ def test_prefill_bf16_close_to_fp32(q_len):
     torch.testing.assert_close(out.float(), expected, rtol=2 ** -6, atol=2e-2)
 
 
+@pytest.mark.parametrize("amx,dtypes,q_len,context_len,sdpa", [
+    (True, (torch.bfloat16, torch.bfloat16), 1024, 2048, True), (True, (torch.float32, torch.float32), 1024, 2048, True),
+    (True, (torch.bfloat16, torch.bfloat16), 1024, 2047, False),
+    (True, (torch.float32, torch.bfloat16), 1024, 2048, False), (False, (torch.bfloat16, torch.bfloat16), 1024, 2048, False)])
+def test_long_prefill_chunks_take_sdpa_where_amx_is(kernel, monkeypatch, amx, dtypes, q_len, context_len, sdpa):
+    """From ``SDPA_MIN_PAIRS`` query x key pairs, on CPUs with AMX (patched) and a cache of the
+    query's dtype, prefill attention is torch's SDPA (AMX tiles, 2-5x faster there), else the
+    kernel; ``amx_preferred`` is False under ``PAGEDLLM_BATCH_INVARIANT=1``."""
+    from pagedllm.layers import attention as attention_module
+    assert q_len * 2048 == attention_module.SDPA_MIN_PAIRS
+    monkeypatch.setattr(attention_module, "amx_preferred", lambda: amx)
+    query_dtype, cache_dtype = dtypes
+    num_blocks, num_heads, num_kv_heads = -(-context_len // BLOCK_SIZE), 2, 1
+    g = torch.Generator().manual_seed(context_len)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    key_cache, value_cache = (torch.randn(shape, generator=g).to(cache_dtype) for _ in range(2))
+    table = torch.randperm(num_blocks, generator=g)
+    query = torch.randn(q_len, num_heads, HEAD_DIM, generator=g).to(query_dtype)
+    key = value = torch.zeros(q_len, num_kv_heads, HEAD_DIM, dtype=query_dtype)  # read from the cache
+    seq, scale = PrefillSequence(0, q_len, context_len, table), HEAD_DIM ** -0.5
+    out = prefill_attention(query, key, value, key_cache, value_cache, seq, scale)
+    expected = (prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale) if sdpa
+                else kernel.paged_prefill_attention(query, key_cache, value_cache, table, context_len, scale))
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (4, 1, 256)])
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                     (torch.float32, torch.bfloat16), (torch.float32, torch.int8),

@@ -14,6 +14,13 @@ from pagedllm.layers.quantization import weight_bytes
 needs_native = pytest.mark.skipif(native_ops() is None, reason="the C++ ops are not built here")
 
 
+@pytest.fixture(autouse=True)
+def batch_invariant(monkeypatch):
+    """bf16 weights go to the tiles this file tests, also on CPUs with AMX (where oneDNN would
+    take them by default: test_bf16_weights_take_onednn_on_amx_unless_batch_invariant)."""
+    monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", "1")
+
+
 def make_linear(dtype: torch.dtype, bias: bool, seed: int = 0, in_features: int = 96,
                 out_features: int = 160) -> Linear:
     g = torch.Generator().manual_seed(seed)
@@ -153,6 +160,50 @@ def test_packing_is_chosen_by_cpu_vendor_and_dtype(vendor, dtype, packs, monkeyp
     monkeypatch.setattr(linear_module, "cpu_vendor", lambda: vendor)
     assert packing_available(dtype) is packs
     assert make_linear(dtype, bias=False).pack() is packs
+
+
+@needs_native
+@pytest.mark.parametrize("amx,invariant,tiles", [(False, False, True), (True, True, True), (True, False, False)])
+def test_bf16_weights_take_onednn_on_amx_unless_batch_invariant(amx, invariant, tiles, monkeypatch):
+    """On CPUs with AMX-BF16 oneDNN's packed matmul (AMX tiles, 8-10x faster at prefill) takes
+    bf16 weights; ``PAGEDLLM_BATCH_INVARIANT=1`` keeps them in the tiles, whose rows do not
+    depend on the batch. Patched so that every CPU with oneDNN bf16 runs each branch."""
+    from pagedllm.layers import linear as linear_module
+    if not linear_module._onednn_bf16_supported():
+        pytest.skip("oneDNN runs no bf16 on this CPU (test_bf16_is_never_packed_where_onednn_cannot_run_it)")
+    monkeypatch.delenv("PAGEDLLM_PACK_WEIGHTS", raising=False)
+    monkeypatch.setattr(linear_module, "_has_amx_bf16", lambda: amx)
+    monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", "1" if invariant else "0")
+    assert linear_module.amx_preferred() is (amx and not invariant)
+    linear = make_linear(torch.bfloat16, bias=True, in_features=160, out_features=96)
+    x = torch.randn(5, 160, generator=torch.Generator().manual_seed(3)).bfloat16()
+    expected = reference(x, linear)
+    assert linear.pack()
+    assert (linear.blocked is not None, linear.packed is not None) == (tiles, not tiles)
+    bound = 1e-5 * (x.double().abs() @ linear.weight.double().abs().t()) + 1e-6
+    # Each output is the fp32 sum rounded once to bf16: within half a bf16 step of it.
+    assert ((linear(x).double() - expected).abs() <= expected.abs() * 2.0 ** -8 + bound).all()
+
+
+@needs_native
+def test_the_lm_head_keeps_the_tiles_on_amx(monkeypatch):
+    """With oneDNN taking the decoder's bf16 layers (AMX), the LM head stays in the tiles: its
+    logits are the unrounded fp32 sums (a bf16-rounded head made exact ties in greedy picks)."""
+    from pagedllm.layers import linear as linear_module
+    from pagedllm.models.loader import build_model
+    from tests.conftest import tiny_config, tiny_state_dict
+    if not linear_module._onednn_bf16_supported():
+        pytest.skip("oneDNN runs no bf16 on this CPU")
+    monkeypatch.setattr(linear_module, "_has_amx_bf16", lambda: True)
+    monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", "0")
+    config = tiny_config(hidden_size=128, intermediate_size=256, head_dim=32)
+    model = build_model(config, tiny_state_dict(config), torch.bfloat16)
+    assert model.lm_head.blocked is not None
+    projections = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    assert projections and all(m.packed is not None and m.blocked is None for m in projections)
+    hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32 and (logits.bfloat16().float() != logits).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("shape", [(161, 96), (160, 100)])

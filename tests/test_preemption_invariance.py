@@ -9,7 +9,9 @@ products with per-token scales), the recomputed KV and every later logit are bit
 the run without preemption, so seeded sampling draws the same tokens. fp32 unquantized (torch's
 GEMM sums in an order that depends on the batch's row count) and the weight-only int8 / int4
 kernels (a kernel for decode-size batches, dequantize-and-GEMM for a prefill) are close, not
-exact; docs/sampling.md says so.
+exact; docs/sampling.md says so. On CPUs with AMX that holds with ``PAGEDLLM_BATCH_INVARIANT=1``
+(the default there multiplies bf16 weights with oneDNN's AMX kernels, whose rows depend on the
+row count).
 """
 
 from __future__ import annotations
@@ -58,13 +60,15 @@ def _run(model, dtype: str, kv_cache_dtype: str, prompts, params, num_blocks: in
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", EXACT_CONFIGS)
 def test_seeded_samples_and_their_logprobs_survive_preemption_bitwise(kernel, dtype, quantization, kv_cache_dtype,
-                                                                      architecture):
+                                                                      architecture, monkeypatch):
     """8 seeded requests (temperature 1) each run alone, then together in a pool that holds
     them all, then together in a pool too small for them: the same tokens and bitwise the same
     logprobs all three ways. A tiny llama with SmolLM2's head_dim of 64, so that the native
     prefill kernel runs, and prompts that span key tiles and blocks (the kernel's order must
     hold across both); 96-token steps mix decode rows with prefill chunks. Qwen2 adds biases to
-    the Q/K/V projections."""
+    the Q/K/V projections. ``PAGEDLLM_BATCH_INVARIANT=1`` keeps bf16 weights in their tiles on
+    CPUs with AMX, where oneDNN's AMX matmul would take them (elsewhere the default already)."""
+    monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", "1")
     config = tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=64, architecture=architecture,
                          attention_bias=architecture == "qwen2")

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.custom_op import CustomOp
+from pagedllm.layers.linear import amx_preferred
 from pagedllm.layers.ops import dequantize_kv, quantize_kv, reshape_and_cache_
 
 
@@ -227,14 +228,33 @@ def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.unsqueeze(0)
 
 
+# Query x key pairs of a chunk from which torch's flash SDPA outruns the C++ kernel. Measured
+# on an Intel Xeon with AMX (2 cores, 2026-12-04, `bench/prefill_attention.py`): in bf16 SDPA
+# took 0.21-0.42x the kernel's time from 1,024 x 2,048 pairs up (torch's flash kernel runs AMX
+# tiles), 0.6-0.9x below; in fp32 0.56-0.86x from there, 1.1-2.0x at 150-500 tokens. On an AMD
+# EPYC Zen 4 (AVX512_BF16, no AMX) the kernel was 1.8-2.4x faster than SDPA in bf16 up to 500 x
+# 2,000 pairs (bench/README.md), so the switch is made only where AMX is.
+SDPA_MIN_PAIRS = 1 << 21
+
+
+def sdpa_is_faster(q_len: int, context_len: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether ``prefill_attention`` runs a chunk of ``q_len`` queries over ``context_len``
+    keys through SDPA rather than the C++ kernel: from ``SDPA_MIN_PAIRS`` pairs, fp32 or bf16
+    with a cache of the same dtype, on CPUs with AMX-BF16 unless ``PAGEDLLM_BATCH_INVARIANT=1``
+    (``amx_preferred``; the kernel's rows are bitwise the decode kernel's, SDPA's are not)."""
+    return (cache_dtype == dtype and dtype in (torch.float32, torch.bfloat16)
+            and q_len * context_len >= SDPA_MIN_PAIRS and amx_preferred())
+
+
 class PrefillAttention(CustomOp):
     """``prefill_attention(query, key, value, key_cache, value_cache, seq, scale,
     sliding_window=None)``: causal attention of a chunk of ``q_len`` tokens over its cached
     prefix and itself.
 
     ``forward_cpu`` runs the C++ kernel (``pagedllm/csrc/prefill_attention.cpp``: 16 x 16
-    tiles, online softmax, K/V read through ``seq.block_table``) where the build has it
-    (AVX-512, head_dim 64, 128 or 256) and no sliding window cuts the context, and
+    tiles, K/V read through ``seq.block_table``, each row bitwise the decode kernel's) where
+    the build has it (AVX-512, head_dim 64, 128 or 256), no sliding window cuts the context
+    and the chunk is smaller than where SDPA is faster (``sdpa_is_faster``), and
     ``prefill_attention_sdpa`` (``forward_native``) otherwise. Arguments and result as
     ``prefill_attention_sdpa``.
     """
@@ -251,7 +271,8 @@ class PrefillAttention(CustomOp):
         if supported is None:
             supported = self._kernel_head_dims[head_dim] = bool(
                 torch.ops.pagedllm.prefill_attention_supported(head_dim))
-        if supported and (sliding_window is None or sliding_window >= seq.context_len):
+        if (supported and (sliding_window is None or sliding_window >= seq.context_len)
+                and not sdpa_is_faster(query.shape[0], seq.context_len, query.dtype, key_cache.dtype)):
             return torch.ops.pagedllm.paged_prefill_attention(query, key_cache, value_cache, seq.block_table,
                                                               seq.context_len, scale)
         return prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale, sliding_window)

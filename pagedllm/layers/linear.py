@@ -13,7 +13,8 @@ thread, a 576 x 3072 weight: bf16 78 -> 36 us at 1 row, 124 -> 82 at 16, 282 -> 
 at 1 row, 458 -> 196 at 16, 8457 -> 3756 at 512, equal to fp32 summation order. ``pack()``
 switches a layer to that form where ``packing_available`` says so for its dtype and CPU.
 
-bf16 weights, where the C++ ops are built, take a third form instead: ``blocked``, tiles of 32
+bf16 weights, where the C++ ops are built and the CPU has no AMX (``amx_preferred``),
+take a third form instead: ``blocked``, tiles of 32
 output channels with each pair of inputs side by side (``block_bf16``), multiplied by the op
 ``bf16_linear`` (``csrc/quant_gemm.cpp``: AVX512_BF16 ``VDPBF16PS`` where the CPU has it). One
 tile is one sequential stream through memory, which oneDNN's packed bf16 matmul does not
@@ -34,7 +35,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.layers.custom_op import CustomOp, native_ops
-from pagedllm.platform import cpu_vendor
+from pagedllm.platform import cpu_flags, cpu_vendor
 
 
 def packing_available(dtype: torch.dtype) -> bool:
@@ -56,6 +57,22 @@ def packing_available(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return _onednn_bf16_supported()
     return setting is True or cpu_vendor() != "GenuineIntel"
+
+
+def amx_preferred() -> bool:
+    """Whether bf16 weights go to oneDNN's packed layout rather than ``bf16_linear``'s tiles
+    (and long prefill chunks to SDPA, ``attention.sdpa_is_faster``): on CPUs with AMX-BF16
+    unless ``PAGEDLLM_BATCH_INVARIANT=1``. There oneDNN multiplies with AMX tiles: on an
+    Intel Xeon with AMX (2 threads, 2026-12-04, ``bench/bf16_tiles_vs_onednn.py``, SmolLM2-1.7B
+    layer shapes), 0.24-0.29x the tiles' time at 16 rows, 0.10-0.21x from 64 rows up (prefill),
+    0.7-1.3x at one row over two runs; but its result for a row depends on the row count,
+    which the tiles' does not."""
+    return not envs.PAGEDLLM_BATCH_INVARIANT and _has_amx_bf16()
+
+
+@functools.lru_cache(maxsize=1)
+def _has_amx_bf16() -> bool:
+    return "amx_bf16" in cpu_flags()
 
 
 @functools.lru_cache(maxsize=1)
@@ -135,17 +152,25 @@ class Linear(nn.Module):
             return unblock_bf16(self.blocked)
         return self.packed.to_dense() if self.packed is not None else self.weight_t.t()
 
-    def pack(self) -> bool:
+    def pack(self, fp32_out: bool = False) -> bool:
         """Reorder the weight into ``bf16_linear``'s tiles (bf16, the C++ ops built,
-        ``out_features`` a multiple of 32, ``in_features`` even) or else oneDNN's layout, and
-        drop the plain copy. Returns whether it did (False with ``PAGEDLLM_PACK_WEIGHTS=0``, or
-        where ``packing_available`` says no for its dtype)."""
+        ``out_features`` a multiple of 32, ``in_features`` even; on CPUs with AMX only for
+        ``fp32_out``, see ``amx_preferred``) or else oneDNN's layout, and drop the plain copy.
+        Returns whether it did (False with ``PAGEDLLM_PACK_WEIGHTS=0``, or where
+        ``packing_available`` says no for its dtype).
+
+        Args:
+            fp32_out: the layer is called with ``out_dtype=torch.float32`` (the LM head): only
+                the tiles hand over unrounded fp32 sums; oneDNN's bf16 product rounds logits to
+                bf16, whose exact ties change greedy choices.
+        """
         if self.packed is not None or self.blocked is not None:
             return True
         if envs.PAGEDLLM_PACK_WEIGHTS is False:
             return False
         if (self.weight_t.dtype == torch.bfloat16 and self.out_features % BF16_TILE == 0 and self.in_features % 2 == 0
-                and native_ops() is not None):
+                and native_ops() is not None
+                and (fp32_out or not (amx_preferred() and packing_available(torch.bfloat16)))):
             self.blocked = nn.Parameter(block_bf16(self.weight_t.t()), requires_grad=False)
             self.weight_t = None
             return True

@@ -390,13 +390,14 @@ class LlamaForCausalLM(nn.Module):
             return 0
         head = self.lm_head
         linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
+        num_packed = 0
         if isinstance(head, Linear) and head.packed is None and head.blocked is None:
             if self.embed_tokens.weight.untyped_storage().data_ptr() == head.weight_t.untyped_storage().data_ptr():
                 self.embed_tokens.weight = nn.Parameter(head.weight_t.t().contiguous(), requires_grad=False)
-            linears.append(head)
+            num_packed += head.pack(fp32_out=True)
         if self.fused_decode is not None:
             self.fused_decode.invalidate()
-        return sum(linear.pack() for linear in linears)
+        return num_packed + sum(linear.pack() for linear in linears)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[num_rows, hidden_size]`` -> ``[num_rows, vocab_size]`` fp32 logits.

@@ -1,0 +1,67 @@
+"""Prefill attention on this CPU: the C++ kernel (``csrc/prefill_attention.cpp``, K/V read through
+the block table) against torch's flash SDPA (``prefill_attention_sdpa``: the cached prefix
+gathered, the KV heads repeated, a bottom-right causal mask), for SmolLM2-135M, SmolLM2-1.7B
+and Llama-3.1-8B head shapes, chunks of 150 to 2,048 queries over contexts up to 16k.
+
+Prints each one's median milliseconds (both alternated in one process) and SDPA's time over the
+kernel's: below 1 SDPA is faster. ``layers/attention.py``'s ``SDPA_MIN_PAIRS`` is read off
+these ratios.
+
+    .venv/bin/python bench/prefill_attention.py [--dtype bfloat16] [--repeats 5]
+"""
+
+import argparse
+import time
+
+import torch
+
+from pagedllm.layers.attention import PrefillSequence, prefill_attention_sdpa
+from pagedllm.layers.ops import native_ops
+from pagedllm.platform import cpu_flags
+
+BLOCK_SIZE = 16
+HEADS = [(9, 3, 64), (32, 32, 64), (32, 8, 128)]  # (heads, KV heads, head_dim)
+CHUNKS = [(150, 150), (500, 500), (300, 500), (500, 2000), (2048, 2048), (1024, 4096), (2048, 4096),
+          (2048, 16384)]  # (queries, context)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    if native_ops() is None:
+        raise SystemExit("the C++ ops are not loaded")
+    dtype = getattr(torch, args.dtype)
+    print(f"{args.dtype}; amx_bf16: {'amx_bf16' in cpu_flags()}; threads: {torch.get_num_threads()}")
+    torch.manual_seed(0)
+    for heads, kv_heads, head_dim in HEADS:
+        for q_len, ctx in CHUNKS:
+            num_blocks = ctx // BLOCK_SIZE + 2
+            key_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim).to(dtype)
+            value_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim).to(dtype)
+            table = torch.randperm(num_blocks)[:-(-ctx // BLOCK_SIZE)]
+            query = torch.randn(q_len, heads, head_dim).to(dtype)
+            positions = torch.arange(ctx - q_len, ctx)
+            slots = table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+            key = key_cache.view(-1, kv_heads, head_dim)[slots]
+            value = value_cache.view(-1, kv_heads, head_dim)[slots]
+            seq, scale = PrefillSequence(0, q_len, ctx, table), head_dim ** -0.5
+            runs = {"kernel": lambda: torch.ops.pagedllm.paged_prefill_attention(query, key_cache, value_cache,
+                                                                                 table, ctx, scale),
+                    "sdpa": lambda: prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale)}
+            times = {name: [] for name in runs}
+            for fn in runs.values():
+                fn()
+            for _ in range(args.repeats):
+                for name, fn in runs.items():
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+            kernel, sdpa = (sorted(times[n])[len(times[n]) // 2] * 1e3 for n in ("kernel", "sdpa"))
+            print(f"heads {heads}/{kv_heads} x {head_dim}, {q_len} x {ctx}: kernel {kernel:.2f} ms, "
+                  f"sdpa {sdpa:.2f} ms, sdpa / kernel {sdpa / kernel:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
