@@ -88,8 +88,8 @@ ENVIRONMENT_VARIABLES: tuple[EnvironmentVariable, ...] = (
         "`1`: every row is computed the same whatever else is in the batch, so a seeded request is "
         "bitwise the same alone, batched and after preemption (vLLM's `VLLM_BATCH_INVARIANT`): bf16 "
         "weights stay in pagedllm's own tiles and prefill attention in its own kernel. Matters on CPUs "
-        "with AMX, where by default bf16 linear layers from 2 rows up and long prefill chunks run "
-        "oneDNN's and torch's AMX kernels instead (8-10x faster at prefill). Elsewhere the default "
+        "with AMX, where by default bf16 linear layers (the LM head excepted) and long prefill chunks "
+        "run oneDNN's and torch's AMX kernels instead (4-10x faster at prefill). Elsewhere the default "
         "already is invariant (see [Sampling](sampling.md))."),
     EnvironmentVariable(
         "PAGEDLLM_TP_TIMEOUT_S", float, 120.0,

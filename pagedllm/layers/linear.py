@@ -13,8 +13,8 @@ thread, a 576 x 3072 weight: bf16 78 -> 36 us at 1 row, 124 -> 82 at 16, 282 -> 
 at 1 row, 458 -> 196 at 16, 8457 -> 3756 at 512, equal to fp32 summation order. ``pack()``
 switches a layer to that form where ``packing_available`` says so for its dtype and CPU.
 
-bf16 weights, where the C++ ops are built and the CPU has no AMX (``amx_preferred``),
-take a third form instead: ``blocked``, tiles of 32
+bf16 weights, where the C++ ops are built and the CPU has no AMX (``amx_preferred``; the LM
+head on every CPU), take a third form instead: ``blocked``, tiles of 32
 output channels with each pair of inputs side by side (``block_bf16``), multiplied by the op
 ``bf16_linear`` (``csrc/quant_gemm.cpp``: AVX512_BF16 ``VDPBF16PS`` where the CPU has it). One
 tile is one sequential stream through memory, which oneDNN's packed bf16 matmul does not

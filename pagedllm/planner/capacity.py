@@ -112,16 +112,18 @@ def capacity_row(facts: ModelFacts, kv_cache_bytes: int, max_model_len: int, num
     result = replay(trace, config, unit_steps)
     metrics = summarize(result)
     trace_tokens = sum(len(r.prompt_token_ids) + r.output_tokens - 1 for r in trace)
+    computed_tokens = sum(step.num_scheduled_tokens for step in result.steps)
     return CapacityRow(model=Path(facts.model or "model").stem, kv_cache_dtype=facts.kv_cache_dtype,
                        bytes_per_token=facts.bytes_per_block(block_size) // block_size, max_model_len=max_model_len,
                        kv_cache_bytes=kv_cache_bytes, contiguous_requests=metrics.contiguous_max_len_concurrency,
                        paged_peak_requests=metrics.peak_concurrency, paged_mean_requests=metrics.mean_concurrency,
-                       num_preemptions=metrics.num_preemptions, recompute_factor=sum(s.num_scheduled_tokens for s in result.steps) / trace_tokens)
+                       num_preemptions=metrics.num_preemptions, recompute_factor=computed_tokens / trace_tokens)
 
 
 def format_capacity_table(rows: Sequence[CapacityRow]) -> str:
     lines = ["| model | KV dtype | KV bytes / token | max_model_len | contiguous: requests | "
-             "paged: peak / mean running | preemptions | tokens computed / needed |", "|---|---|---|---|---|---|---|---|"]
+             "paged: peak / mean running | preemptions | tokens computed / needed |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row.model} | {row.kv_cache_dtype} | {row.bytes_per_token:,} | {row.max_model_len:,} | "
                      f"{row.contiguous_requests} | {row.paged_peak_requests} / {row.paged_mean_requests:.1f} | "
