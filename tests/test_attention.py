@@ -331,6 +331,23 @@ def test_prefill_bf16_close_to_fp32(q_len):
     torch.testing.assert_close(out.float(), expected, rtol=2 ** -6, atol=2e-2)
 
 
+@pytest.mark.parametrize("window", [None, 50])
+def test_sdpa_prefill_in_query_slices_equals_one_call(monkeypatch, window):
+    """``prefill_attention_sdpa`` bounds its mask by slicing the queries (``SDPA_MASK_BYTES``):
+    slices of 7 rows give what one call over all 40 rows gives, window included."""
+    from pagedllm.layers import attention as attention_module
+    key_cache, value_cache, g = random_caches(2, torch.float32, seed=9)
+    q_len, context_len = 40, 150
+    table = torch.randperm(NUM_BLOCKS, generator=g)[:-(-context_len // BLOCK_SIZE)]
+    query = torch.randn(q_len, 4, HEAD_DIM, generator=g)
+    key = value = torch.zeros(q_len, 2, HEAD_DIM)  # read from the cache: a prefix is cached
+    seq = PrefillSequence(0, q_len, context_len, table)
+    whole = prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, 0.125, window)
+    monkeypatch.setattr(attention_module, "SDPA_MASK_BYTES", 7 * context_len * 4)
+    sliced = prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, 0.125, window)
+    torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("amx,dtypes,q_len,context_len,sdpa", [
     (True, (torch.bfloat16, torch.bfloat16), 1024, 2048, True), (True, (torch.float32, torch.float32), 1024, 2048, True),
     (True, (torch.bfloat16, torch.bfloat16), 1024, 2047, False),

@@ -235,6 +235,8 @@ def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
 # EPYC Zen 4 (AVX512_BF16, no AMX) the kernel was 1.8-2.4x faster than SDPA in bf16 up to 500 x
 # 2,000 pairs (bench/README.md), so the switch is made only where AMX is.
 SDPA_MIN_PAIRS = 1 << 21
+# Most bytes of the additive mask ``prefill_attention_sdpa`` builds per SDPA call.
+SDPA_MASK_BYTES = 32 << 20
 
 
 def sdpa_is_faster(q_len: int, context_len: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
@@ -328,21 +330,32 @@ def prefill_attention_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.
     row_width = key_cache.shape[-1]
     keys = read_kv_cache(key_cache[seq.block_table].view(-1, num_kv_heads, row_width)[first:ctx], query.dtype)
     values = read_kv_cache(value_cache[seq.block_table].view(-1, num_kv_heads, row_width)[first:ctx], query.dtype)
-    # Bottom-right aligned causal mask: query i (position ctx - q_len + i) sees keys up to that
-    # position, and within a window only the last ``window`` of them.
-    query_pos = torch.arange(ctx - q_len, ctx)[:, None]
     key_pos = torch.arange(first, ctx)[None, :]
-    hidden = key_pos > query_pos
-    if window is not None:
-        hidden |= key_pos <= query_pos - window
+
+    def hidden_keys(start: int, end: int) -> torch.Tensor:
+        """Bottom-right aligned causal mask of queries start..end-1: query i (position
+        ctx - q_len + i) sees keys up to that position, within a window only the last
+        ``window`` of them."""
+        query_pos = torch.arange(ctx - q_len + start, ctx - q_len + end)[:, None]
+        hidden = key_pos > query_pos
+        if window is not None:
+            hidden |= key_pos <= query_pos - window
+        return hidden
+
+    keys, values = _expand_kv_heads(keys, group), _expand_kv_heads(values, group)
     if logit_softcap is not None:
-        out = attention_softcapped(q, _expand_kv_heads(keys, group), _expand_kv_heads(values, group), ~hidden,
-                                   scale, logit_softcap)
+        out = attention_softcapped(q, keys, values, ~hidden_keys(0, q_len), scale, logit_softcap)
         return out[0].transpose(0, 1)
-    mask = torch.zeros(q_len, ctx - first, dtype=query.dtype).masked_fill_(hidden, float("-inf"))
-    out = F.scaled_dot_product_attention(q, _expand_kv_heads(keys, group),
-                                         _expand_kv_heads(values, group), attn_mask=mask,
-                                         scale=scale)
+    # The mask is [rows, context] per call: queries go in slices of at most SDPA_MASK_BYTES of
+    # it, so a chunk over a 32k context does not hold a 256 MiB fp32 mask.
+    rows = max(1, SDPA_MASK_BYTES // ((ctx - first) * query.element_size()))
+    out = torch.empty_like(q)
+    for start in range(0, q_len, rows):
+        end = min(q_len, start + rows)
+        mask = torch.zeros(end - start, ctx - first, dtype=query.dtype).masked_fill_(hidden_keys(start, end),
+                                                                                      float("-inf"))
+        out[:, :, start:end] = F.scaled_dot_product_attention(q[:, :, start:end], keys, values, attn_mask=mask,
+                                                              scale=scale)
     return out[0].transpose(0, 1)
 
 
