@@ -13,6 +13,10 @@ other, round after round, so that a change in the machine's load hits them alike
 ``--draft-quantization`` (default ``int4``: the GGUF's 4-bit codes), so by default each model
 drafts for itself through its int4 variant.
 
+Each run decodes the greedy answer: as many tokens as the non-speculative answer has up to its
+EOS (``--max-tokens`` N: N tokens, EOS ignored; past its answer a model writes text that has
+nothing to do with the prompt, which no proposer can draft).
+
 Per configuration it prints the acceptance rate (accepted / draft tokens), output tokens per
 decode step, decode tokens per second (first token to last, so prefill is left out) and the
 speed-up over no speculation, and whether the greedy output equals the non-speculative one.
@@ -111,11 +115,18 @@ def make_engine(base: LLMEngine, config, batch_size: int = 1) -> LLMEngine:
     return LLMEngine(args, model=base.model, tokenizer=base.tokenizer)
 
 
-def run_once(engine: LLMEngine, prompt_token_ids: list[int], max_tokens: int, batch_size: int = 1) -> dict:
+def answer_length(engine: LLMEngine, prompt_token_ids: list[int], limit: int = 1024) -> int:
+    """Tokens of the greedy answer to the prompt, its EOS included (at most ``limit``): how many
+    tokens a run decodes when ``--max-tokens`` is 0."""
+    return len(run_once(engine, prompt_token_ids, limit, ignore_eos=False)["tokens"])
+
+
+def run_once(engine: LLMEngine, prompt_token_ids: list[int], max_tokens: int, batch_size: int = 1,
+             ignore_eos: bool = True) -> dict:
     """Generate greedily for ``batch_size`` copies of the prompt; time from the step that gave
     the first tokens to the last step."""
     stats_before = engine.make_stats()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     for i in range(batch_size):
         engine.add_request(f"b{i}-{time.monotonic_ns()}", {"prompt_token_ids": prompt_token_ids}, params)
     first_token_time = None
@@ -152,15 +163,17 @@ def bench_workload(name: str, args: argparse.Namespace) -> None:
                for config in args.configs}
     for engine in engines.values():  # warm-up: C++ ops, first-touch of the KV pool
         run_once(engine, prompt, 4)
+    max_tokens = args.max_tokens or answer_length(engines[args.configs[0]], prompt)
     results = {config: [] for config in engines}
     for _ in range(args.rounds):
         for config, engine in engines.items():
-            results[config].append(run_once(engine, prompt, args.max_tokens))
+            results[config].append(run_once(engine, prompt, max_tokens))
     reference = results[args.configs[0]][0]
     baseline = statistics.median(r["tok_s"] for r in results[args.configs[0]])
-    print(f"\n## {name}: {model}, {len(prompt)}-token prompt, {args.max_tokens} tokens, greedy, "
+    print(f"\n## {name}: {model}, {len(prompt)}-token prompt, {max_tokens} tokens"
+          f"{'' if args.max_tokens else ' (the answer, to its EOS)'}, greedy, "
           f"median of {args.rounds} alternated rounds")
-    print(f"answer: {tokenizer.decode(reference['tokens'])[:300]!r}")
+    print(f"answer: {tokenizer.decode(reference['tokens'])!r}")
     if "draft_model" in engines:
         print(f"draft_model: {draft['model']}, quantization {draft['quantization'] or 'as its checkpoint'}")
     print("| config | acceptance rate | tokens per step | decode tok/s | speed-up | output equals first config |")
@@ -179,7 +192,7 @@ def bench_workload(name: str, args: argparse.Namespace) -> None:
             speeds = {config: [] for config in pair}
             for _ in range(args.rounds):
                 for config, engine in pair.items():
-                    speeds[config].append(run_once(engine, prompt, args.max_tokens, batch_size)["tok_s"])
+                    speeds[config].append(run_once(engine, prompt, max_tokens, batch_size)["tok_s"])
             none, ngram = (statistics.median(speeds[c]) for c in ("none", "ngram"))
             print(f"| {batch_size} | {none:.1f} | {ngram:.1f} | {ngram / none:.2f}x |")
 
@@ -190,7 +203,8 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
                         help="the first is the baseline of the speed-up")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help="tokens decoded per run; 0 (default): the greedy answer's length, to its EOS")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram (prompt_lookup_max: 5 or this)")

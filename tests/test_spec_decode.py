@@ -174,12 +174,19 @@ def run_checked(engine: LLMEngine, prompts: list, params: list[SamplingParams]) 
 def test_greedy_output_equals_non_speculative(method):
     prompts = repetitive_prompts(6)
     params = [SamplingParams(temperature=0.0, max_tokens=20 + 7 * i, ignore_eos=True) for i in range(6)]
-    expected = run_to_completion_outputs(spec_engine(None), prompts, params)
+    base = spec_engine(None)
+    for i, (prompt, param) in enumerate(zip(prompts, params)):
+        base.add_request(f"r{i}", prompt, param)
+    expected = run_to_completion(base)
     config = dict(PROPOSERS[method], disable_by_batch_size=None)
     engine = spec_engine(config)
     finals = run_checked(engine, prompts, params)
     for i in range(6):
-        assert finals[f"r{i}"].outputs[0].token_ids == expected[i], i
+        a, b = expected[f"r{i}"].outputs[0], finals[f"r{i}"].outputs[0]
+        assert b.token_ids == a.token_ids, i
+        # No request asks for logprobs: the verification takes only each row's log-normalizer.
+        assert a.cumulative_logprob < -1.0
+        assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-4), i
     stats = engine.make_stats()
     # Both paths ran: drafts accepted and drafts rejected (rolled back).
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens

@@ -2,15 +2,17 @@
 llama.cpp (plain and with prompt-lookup decoding) on bench/spec_decode.py's workloads, each run in a
 fresh process, alternated round after round.
 
-    .venv/bin/python bench/peers/spec_compare.py [--rounds 3] [--max-tokens 256]
+    .venv/bin/python bench/peers/spec_compare.py [--rounds 3] [--max-tokens N]
         [--workloads code-edit summary] [--configs none ngram suffix] [--llama-prompt-lookup 5 10]
         [--gguf code-edit=FILE --gguf summary=FILE ...] [--threads N]
         [--dtype auto] [--quantization int8|int4|...] [--kv-cache-dtype auto]
 
 Prompts: ``spec_decode.WORKLOADS`` through ``spec_decode.build_prompt`` (pagedllm's tokenizer of
 the workload's model), written as token ids to a JSON file, so both systems decode the same ids.
-Both: greedy, EOS ignored, ``--max-tokens`` tokens, ``--threads`` threads, a 4-token warm-up on the
-same prompt, decode tokens/s from the first token to the last (prefill left out).
+Both: greedy, ``--threads`` threads, a 4-token warm-up on the same prompt, decode tokens/s from
+the first token to the last (prefill left out), EOS ignored for ``--max-tokens`` tokens; by default
+(0) that is the length of pagedllm's non-speculative answer to its EOS, measured by one extra run
+first, so that every system decodes as many tokens as the answer has.
 
 - pagedllm: ``spec_decode.run_once`` on an ``LLMEngine`` with ``spec_decode.CONFIGS[config]``
   (``--num-speculative-tokens``, ``--prompt-lookup-min`` as there) and ``--dtype`` /
@@ -65,7 +67,10 @@ def pagedllm_worker(prompt_path: str, options_json: str) -> None:
         speculative_config=options["speculative_config"]))
     startup_s = time.perf_counter() - start
     spec_decode.run_once(engine, prompt, 4)
-    result = spec_decode.run_once(engine, prompt, options["max_tokens"])
+    if options["max_tokens"]:
+        result = spec_decode.run_once(engine, prompt, options["max_tokens"])
+    else:  # the answer, to its EOS
+        result = spec_decode.run_once(engine, prompt, 1024, ignore_eos=False)
     print("RESULT " + json.dumps({
         "system": "pagedllm", "startup_s": round(startup_s, 1), "threads": torch.get_num_threads(),
         "dtype": str(engine.model.dtype), "prompt_tokens": len(prompt), "num_tokens": len(result["tokens"]),
@@ -102,7 +107,8 @@ def main() -> int:
     parser.add_argument("--gguf", action="append", default=[], metavar="WORKLOAD=FILE",
                         help="llama.cpp GGUF for a workload (repeatable; replaces that workload's defaults)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help="tokens decoded per run; 0 (default): pagedllm's greedy answer's length, to its EOS")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="both systems (default: all CPUs)")
     parser.add_argument("--dtype", default="auto", help="pagedllm")
     parser.add_argument("--quantization", default=None, help="pagedllm (e.g. int8, int4)")
@@ -117,8 +123,8 @@ def main() -> int:
     if args.worker:
         pagedllm_worker(*args.worker)
         return 0
-    if args.max_tokens < 2:
-        parser.error(f"--max-tokens must be >= 2 (a decode rate needs two tokens), got {args.max_tokens}")
+    if args.max_tokens == 1 or args.max_tokens < 0:
+        parser.error(f"--max-tokens must be 0 or >= 2 (a decode rate needs two tokens), got {args.max_tokens}")
 
     ggufs = default_ggufs(peers_dir)
     given: dict[str, list[str]] = {}
@@ -149,8 +155,8 @@ def main() -> int:
     workdir = Path(args.workdir)
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    print(f"machine: {os.cpu_count()} CPUs, {args.threads} threads each; greedy, {args.max_tokens} tokens, "
-          f"EOS ignored; pagedllm dtype {args.dtype}, quantization {args.quantization}, kv {args.kv_cache_dtype}; "
+    print(f"machine: {os.cpu_count()} CPUs, {args.threads} threads each; greedy, "
+          f"{args.max_tokens or 'the answer'} tokens; pagedllm dtype {args.dtype}, quantization {args.quantization}, kv {args.kv_cache_dtype}; "
           f"{args.rounds} alternated rounds of fresh processes", flush=True)
     tables = []
     for workload in args.workloads:
@@ -158,11 +164,18 @@ def main() -> int:
         prompt = spec_decode.build_prompt(load_tokenizer(resolve_model_path(model)), text)
         prompt_path = workdir / f"spec_compare_{workload}.json"
         prompt_path.write_text(json.dumps({"prompt_token_ids": prompt}))
+        max_tokens = args.max_tokens
+        base_options = {"model": model, "dtype": args.dtype, "quantization": args.quantization,
+                        "kv_cache_dtype": args.kv_cache_dtype, "threads": args.threads}
+        if not max_tokens:
+            options = dict(base_options, max_tokens=0, speculative_config=None)
+            answer = run_one([sys.executable, str(Path(__file__).resolve()), "--worker", str(prompt_path),
+                              json.dumps(options)], dict(os.environ),
+                             workdir / "logs" / f"{stamp}_spec_{workload}_answer.log", args.timeout)
+            max_tokens = answer["num_tokens"]
         commands: dict[str, list[str]] = {}
         for config in configs:
-            options = {"model": model, "dtype": args.dtype, "quantization": args.quantization,
-                       "kv_cache_dtype": args.kv_cache_dtype, "threads": args.threads,
-                       "max_tokens": args.max_tokens, "speculative_config": spec_configs[config]}
+            options = dict(base_options, max_tokens=max_tokens, speculative_config=spec_configs[config])
             if config == "draft_model":  # as bench/spec_decode.py's default: the model drafts for itself as int4
                 options["speculative_config"] = dict(spec_configs[config], model=model, quantization="int4")
             commands[f"pagedllm {config}"] = [sys.executable, str(Path(__file__).resolve()), "--worker",
@@ -171,10 +184,10 @@ def main() -> int:
             for k in [0] + args.llama_prompt_lookup:
                 name = f"llama.cpp {Path(gguf).name}" + (f" lookup {k}" if k else "")
                 commands[name] = [str(llama_python), str(HERE / "llama_cpp_spec.py"), "--gguf", gguf,
-                                  "--prompt-json", str(prompt_path), "--max-tokens", str(args.max_tokens),
+                                  "--prompt-json", str(prompt_path), "--max-tokens", str(max_tokens),
                                   "--threads", str(args.threads), "--prompt-lookup", str(k),
                                   "--max-ngram-size", str(args.max_ngram_size)]
-        print(f"\n## {workload}: {model}, {len(prompt)}-token prompt", flush=True)
+        print(f"\n## {workload}: {model}, {len(prompt)}-token prompt, {max_tokens} tokens", flush=True)
         runs: dict[str, list[dict]] = {name: [] for name in commands}
         width = max(len(name) for name in commands)
         for index in range(args.rounds):
@@ -192,7 +205,7 @@ def main() -> int:
         med = {name: statistics.median(r["tok_s"] for r in rs) for name, rs in runs.items()}
         llama_names = [name for name in runs if name.startswith("llama.cpp")]
         best_llama = max(llama_names, key=med.get)
-        lines = [f"\n## {workload}: {model}, {len(prompt)}-token prompt, {args.max_tokens} tokens, greedy, "
+        lines = [f"\n## {workload}: {model}, {len(prompt)}-token prompt, {max_tokens} tokens, greedy, "
                  f"median of {args.rounds} alternated rounds; llama.cpp's best: {best_llama}",
                  "| system | decode tok/s | vs pagedllm none | vs llama.cpp best | tokens/step | acceptance "
                  "| output vs pagedllm none |", "|---|---|---|---|---|---|---|"]

@@ -16,14 +16,14 @@ from pagedllm.core.request import RequestId
 from pagedllm.core.scheduled_batch import SamplingInput, ScheduledBatch, ScheduledRequest
 from pagedllm.huge_pages import huge_page_zeros, populate_for_write
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
-from pagedllm.layers.ops import native_ops
+from pagedllm.layers.ops import argmax_logsumexp, native_ops
 from pagedllm.lora.manager import LoRAMapping, LoRAModelManager
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.outputs import TokenLogprobs
 from pagedllm.platform import tune_allocator
 from pagedllm.worker.rejection_sampler import rejection_sample
 from pagedllm.worker.step_inputs import StepInputs, broadcast_step
-from pagedllm.worker.sampler import SamplingMetadata, compute_logprobs, gather_logprobs, sample
+from pagedllm.worker.sampler import LOGPROB_FLOOR, SamplingMetadata, compute_logprobs, gather_logprobs, sample
 
 logger = logging.getLogger(__name__)
 
@@ -185,17 +185,28 @@ class ModelRunner:
         logits = self.model.compute_logits(forward.hidden[rows]).float()
         emitted = rejection_sample(logits, self._sampling_metadata(samples, logits.shape[-1]), drafts,
                                    self.generator)
-        logprobs = compute_logprobs(logits)
+        if any(request.samples[0].sampling_params.logprobs is not None for request, _ in forward.spec_rows):
+            logprobs, log_norm = compute_logprobs(logits), None
+        else:
+            # Only cumulative_logprob needs the emitted tokens' logprobs: one pass per row for
+            # the log-normalizer, as sample() takes it, instead of a full log-softmax.
+            logprobs, log_norm = None, argmax_logsumexp(logits)[1]
         first = 0
         for (request, _), tokens in zip(forward.spec_rows, emitted):
             request_drafts = request.spec_token_ids
             k = request.samples[0].sampling_params.logprobs
-            values, ranks, top_ids, top_values = gather_logprobs(
-                logprobs[first:first + len(tokens)], torch.tensor(tokens), k or 0)
-            records = [TokenLogprobs([token], [value], []) if k is None else
-                       TokenLogprobs([token] + ids, [value] + tops, [rank] + list(range(1, k + 1)))
-                       for token, value, rank, ids, tops in zip(tokens, values.tolist(), ranks.tolist(),
-                                                                top_ids.tolist(), top_values.tolist())]
+            if log_norm is not None:
+                rows = torch.arange(first, first + len(tokens))
+                values = logits[rows, torch.tensor(tokens)] - log_norm[rows]
+                values = torch.nan_to_num(values, nan=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
+                records = [TokenLogprobs([token], [value], []) for token, value in zip(tokens, values.tolist())]
+            else:
+                values, ranks, top_ids, top_values = gather_logprobs(
+                    logprobs[first:first + len(tokens)], torch.tensor(tokens), k or 0)
+                records = [TokenLogprobs([token], [value], []) if k is None else
+                           TokenLogprobs([token] + ids, [value] + tops, [rank] + list(range(1, k + 1)))
+                           for token, value, rank, ids, tops in zip(tokens, values.tolist(), ranks.tolist(),
+                                                                    top_ids.tolist(), top_values.tolist())]
             request_id = request.request_id
             output.sampled_token_ids[request_id] = tokens[-1]
             output.num_accepted_tokens[request_id] = len(tokens) - 1
