@@ -92,7 +92,7 @@ WORKLOADS = {
 CONFIGS = {
     "none": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
-    "suffix": {"method": "suffix", "num_speculative_tokens": 5},
+    "suffix": {"method": "suffix"},  # vLLM's default bound: the trie's depth (24)
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 5},
 }
 
@@ -206,7 +206,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=0,
                         help="tokens decoded per run; 0 (default): the greedy answer's length, to its EOS")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--num-speculative-tokens", type=int, default=5)
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="ngram and draft_model: default 5; suffix: default the trie's depth (vLLM's rule)")
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram (prompt_lookup_max: 5 or this)")
     parser.add_argument("--draft-model", default=None,
                         help="draft_model: the draft (default: the workload's model itself)")
@@ -219,10 +220,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    CONFIGS["ngram"].update(num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
+    k = args.num_speculative_tokens
+    CONFIGS["ngram"].update(num_speculative_tokens=k or 5, prompt_lookup_min=args.prompt_lookup_min,
                             prompt_lookup_max=max(5, args.prompt_lookup_min))
-    CONFIGS["suffix"].update(num_speculative_tokens=args.num_speculative_tokens)
-    CONFIGS["draft_model"].update(num_speculative_tokens=args.num_speculative_tokens)
+    CONFIGS["draft_model"].update(num_speculative_tokens=k or 5)
+    if k:
+        CONFIGS["suffix"].update(num_speculative_tokens=k)
     for index, name in enumerate(args.workloads):
         if index and args.batch_sizes:
             args.batch_sizes = []  # the crossover once, on the first workload

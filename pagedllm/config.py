@@ -69,6 +69,8 @@ class SpeculativeConfig:
             (a smaller model's greedy tokens, ``spec_decode/draft_model_proposer.py``). None
             (vLLM's rule): ``draft_model`` when ``model`` is given, else ``ngram``.
         num_speculative_tokens: most draft tokens verified per sequence and step (>= 1).
+            Required, except with ``suffix`` (vLLM's rule: ``suffix_decoding_max_tree_depth``,
+            an upper bound; the trie decides each draft's length).
         prompt_lookup_min, prompt_lookup_max: ``ngram``: shortest and longest suffix (tokens)
             matched. vLLM's rule: one given, the other equals it; neither: both 5.
         suffix_decoding_max_tree_depth: ``suffix``: longest substring (tokens) the trie holds,
@@ -91,7 +93,7 @@ class SpeculativeConfig:
     """
 
     method: Optional[str] = None
-    num_speculative_tokens: int = 0
+    num_speculative_tokens: Optional[int] = None
     prompt_lookup_min: Optional[int] = None
     prompt_lookup_max: Optional[int] = None
     suffix_decoding_max_tree_depth: int = 24
@@ -140,8 +142,10 @@ class SpeculativeConfig:
         elif self.model is not None or self.quantization is not None:
             raise ValueError(f"speculative_config: model and quantization are draft_model's fields; method "
                              f"{self.method!r} takes neither")
-        positive = {"num_speculative_tokens": self.num_speculative_tokens,
-                    "suffix_decoding_max_tree_depth": self.suffix_decoding_max_tree_depth}
+        if self.num_speculative_tokens is None and self.method == "suffix":
+            self.num_speculative_tokens = self.suffix_decoding_max_tree_depth
+        positive = {"suffix_decoding_max_tree_depth": self.suffix_decoding_max_tree_depth,
+                    "num_speculative_tokens": self.num_speculative_tokens}
         if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
             self.prompt_lookup_min = self.prompt_lookup_max = 5
         elif self.prompt_lookup_max is None:

@@ -62,9 +62,10 @@ def test_ngram_proposer_equals_brute_force():
 
 
 def suffix_reference(tokens: list[int], depth: int, factor: float, min_prob: float, k: int) -> list[int]:
-    """Brute force over substring counts: the longest suffix (<= depth - k tokens) seen before
-    with a continuation, then the most frequent next token (first seen on a tie) while the
-    product of frequencies stays >= min_prob."""
+    """Brute force over substring counts. For each suffix (<= depth tokens) seen before with a
+    continuation: follow the most frequent next token (first seen on a tie) while the product of
+    frequencies stays >= min_prob, at most min(k, factor x suffix length) tokens and depth tokens
+    with the suffix; score = sum of those products. The best score wins, the longer suffix on a tie."""
     def count(pattern: tuple) -> int:
         n = len(pattern)
         return sum(tuple(tokens[i:i + n]) == pattern for i in range(len(tokens) - n + 1))
@@ -76,25 +77,24 @@ def suffix_reference(tokens: list[int], depth: int, factor: float, min_prob: flo
                 found[tokens[i + n]] = count(pattern + (tokens[i + n],))
         return found
 
-    longest = max(1, min(len(tokens), depth, depth - k))
-    for length in range(longest, 0, -1):
+    best, best_score = [], 0.0
+    for length in range(1, min(len(tokens), depth) + 1):
         pattern = tuple(tokens[-length:])
-        if continuations(pattern):
-            break
-    else:
-        return []
-    draft, probability = [], 1.0
-    while len(draft) < min(k, int(factor * length)) and len(pattern) < depth:
-        options = continuations(pattern)
-        if not options:
-            break
-        token = max(options, key=options.get)
-        probability *= options[token] / sum(options.values())
-        if probability < min_prob:
-            break
-        draft.append(token)
-        pattern += (token,)
-    return draft
+        draft, probability, score = [], 1.0, 0.0
+        while len(draft) < min(k, int(factor * length + 1e-6)) and len(pattern) < depth:
+            options = continuations(pattern)
+            if not options:
+                break
+            token = max(options, key=options.get)
+            probability *= options[token] / sum(options.values())
+            if probability < min_prob:
+                break
+            draft.append(token)
+            score += probability
+            pattern += (token,)
+        if draft and score >= best_score:
+            best, best_score = draft, score
+    return best
 
 
 def test_suffix_proposer_equals_brute_force():
@@ -462,6 +462,9 @@ def test_speculative_config_is_checked():
     # vLLM's rule: no method is ngram, or draft_model when a model is given.
     assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2}).method == "ngram"
     assert SpeculativeConfig.from_dict({"model": "some/model", "num_speculative_tokens": 2}).method == "draft_model"
+    # vLLM's rule: suffix decoding bounds its drafts by the trie's depth unless told otherwise.
+    assert SpeculativeConfig.from_dict({"method": "suffix"}).num_speculative_tokens == 24
+    assert SpeculativeConfig.from_dict({"method": "suffix", "suffix_decoding_max_tree_depth": 9}).num_speculative_tokens == 9
     refused = {
         "'draft_model' needs model": {"method": "draft_model", "num_speculative_tokens": 3},
         "method 'ngram' takes neither": {"method": "ngram", "model": "some/model", "num_speculative_tokens": 3},
@@ -469,6 +472,7 @@ def test_speculative_config_is_checked():
         "eagle": {"method": "eagle", "num_speculative_tokens": 3},
         "unsupported field": {"method": "ngram", "num_speculative_tokens": 3, "speculative_token_tree": "x"},
         "num_speculative_tokens must be a positive": {"method": "ngram", "num_speculative_tokens": 0},
+        "num_speculative_tokens must be a positive integer, got None": {"method": "ngram"},
         "prompt_lookup_min \\(4\\) must be <=": {"method": "ngram", "num_speculative_tokens": 2,
                                                  "prompt_lookup_min": 4, "prompt_lookup_max": 2},
         "min_token_prob": {"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 2},

@@ -113,7 +113,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto", help="pagedllm")
     parser.add_argument("--quantization", default=None, help="pagedllm (e.g. int8, int4)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="pagedllm")
-    parser.add_argument("--num-speculative-tokens", type=int, default=5, help="pagedllm")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="pagedllm ngram and draft_model: default 5; suffix: default the trie's depth (vLLM's rule)")
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="pagedllm ngram (prompt_lookup_max: 5 or this)")
     parser.add_argument("--llama-venv", default=str(peers_dir / "llama-venv"))
     parser.add_argument("--workdir", default=str(peers_dir), help="prompt JSON files and per-run logs go here")
@@ -143,11 +144,12 @@ def main() -> int:
         parser.error(f"no llama-cpp-python venv at {args.llama_venv} (bench/peers/setup_llama_cpp.sh)")
 
     spec_configs = {name: dict(config) if config else None for name, config in spec_decode.CONFIGS.items()}
-    spec_configs["ngram"].update(num_speculative_tokens=args.num_speculative_tokens,
-                                 prompt_lookup_min=args.prompt_lookup_min,
+    k = args.num_speculative_tokens
+    spec_configs["ngram"].update(num_speculative_tokens=k or 5, prompt_lookup_min=args.prompt_lookup_min,
                                  prompt_lookup_max=max(5, args.prompt_lookup_min))
-    for name in ("suffix", "draft_model"):
-        spec_configs[name].update(num_speculative_tokens=args.num_speculative_tokens)
+    spec_configs["draft_model"].update(num_speculative_tokens=k or 5)
+    if k:
+        spec_configs["suffix"].update(num_speculative_tokens=k)
     configs = ["none"] + [c for c in args.configs if c != "none"]
 
     from pagedllm.models.loader import load_tokenizer, resolve_model_path

@@ -81,26 +81,36 @@ class SuffixProposer:
             trie = self._tries[request.request_id] = _RequestTrie(self.max_tree_depth)
         if trie.num_tokens < request.num_tokens:
             trie.extend(request.all_token_ids[trie.num_tokens:])
-        # Match at most depth - max_num_tokens tokens, so that a long match leaves the trie
-        # room to hold a full draft after it.
-        longest = max(1, min(len(trie.active), self.max_tree_depth - max_num_tokens))
-        for length in range(longest, 0, -1):
-            node = trie.active[length - 1]
-            if node.children:
-                break
-        else:
-            return []
-        limit = min(max_num_tokens, int(self.max_spec_factor * length))
+        # Arctic Inference's rule: every suffix of the sequence that occurred before with a
+        # continuation gives a draft (at most max_spec_factor x its length); the draft with
+        # the highest score (its expected number of accepted tokens: the sum of its
+        # estimated prefix probabilities) wins, the longer match on a tie.
+        best: list[int] = []
+        best_score = 0.0
+        for length, node in enumerate(trie.active, start=1):
+            if not node.children:
+                break  # no longer suffix has a continuation either
+            limit = min(max_num_tokens, int(self.max_spec_factor * length + 1e-6))
+            draft, score = self._walk(node, limit)
+            if draft and score >= best_score:
+                best, best_score = draft, score
+        return best
+
+    def _walk(self, node: _Node, limit: int) -> tuple[list[int], float]:
+        """Follow the most frequent children from ``node`` (at most ``limit`` of them) while
+        the product of their frequencies stays >= ``min_token_prob``; returns the tokens and
+        the sum of those products."""
         draft: list[int] = []
-        probability = 1.0
+        probability, score = 1.0, 0.0
         while len(draft) < limit and node.children:
             token_id, child = max(node.children.items(), key=lambda item: item[1].count)
             probability *= child.count / sum(c.count for c in node.children.values())
             if probability < self.min_token_prob:
                 break
             draft.append(token_id)
+            score += probability
             node = child
-        return draft
+        return draft, score
 
     def propose_batch(self, candidates: Sequence[tuple[Request, int]]) -> list[list[int]]:
         """``propose`` for each ``(request, max_num_tokens)``, in order."""
