@@ -32,10 +32,26 @@ def _cpuinfo_line(*keys: str) -> Optional[str]:
     return None if line is None else line.partition(":")[2].strip()
 
 
+# torch's CPUID checks (its cpuinfo library: what this process can execute) that the flags of
+# /proc/cpuinfo must pass: the kernel reports the host's flags to a process that runs under an
+# emulator (qemu-user with an AVX2-only CPU model), which would fault on AVX-512 code.
+_CPUID_CHECKS = (("avx512", "_is_avx512_supported"), ("avx512_bf16", "_is_avx512_bf16_supported"),
+                 ("avx512_vnni", "_is_vnni_supported"), ("amx", "_is_amx_tile_supported"),
+                 ("avx2", "_is_avx2_supported"))
+
+
+@functools.lru_cache(maxsize=None)
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags (``/proc/cpuinfo``'s ``flags``, ``Features`` on Arm; empty where
-    it cannot be read)."""
-    return frozenset((_cpuinfo_line("flags", "Features") or "").split())
+    it cannot be read). On x86 a flag family that torch's CPUID check says this process cannot
+    execute is dropped: ``avx512*`` (``avx512_bf16``, ``avx512_vnni`` each on its own
+    check), ``amx*``, ``avx2``."""
+    flags = set((_cpuinfo_line("flags", "Features") or "").split())
+    for prefix, check in _CPUID_CHECKS:
+        supported = getattr(torch.cpu, check, None)
+        if supported is not None and not supported():
+            flags = {flag for flag in flags if not flag.startswith(prefix)}
+    return frozenset(flags)
 
 
 @functools.lru_cache(maxsize=1)

