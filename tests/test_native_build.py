@@ -44,6 +44,31 @@ def test_pagedllm_isa_forces_a_lower_variant_and_refuses_what_the_cpu_lacks(monk
         cpu_isa.select_variant(frozenset({"sse2", "avx"}), "")
 
 
+def test_cpu_flags_drop_what_cpuid_denies(monkeypatch):
+    """Under an emulator (qemu-user with an AVX2-only CPU model) /proc/cpuinfo shows the host's
+    flags; torch's CPUID checks decide which flag families this process may use."""
+    import torch
+
+    from pagedllm import platform
+
+    monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
+    host = ZEN4 | {"amx_bf16", "amx_tile", "amx_int8"}
+    monkeypatch.setattr(platform, "_cpuinfo_line", lambda *keys: " ".join(sorted(host)))
+    for check in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
+                  "_is_amx_tile_supported", "_is_avx2_supported"):
+        monkeypatch.setattr(torch.cpu, check, lambda: True, raising=False)
+    platform.cpu_flags.cache_clear()
+    try:
+        assert platform.cpu_flags() == host
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+        platform.cpu_flags.cache_clear()
+        assert platform.cpu_flags() == ZEN3
+        assert cpu_isa.select_variant(platform.cpu_flags()).name == "avx2"
+    finally:
+        platform.cpu_flags.cache_clear()
+
+
 def test_a_pagedllm_isa_the_cpu_cannot_run_is_an_error_not_the_torch_path(monkeypatch):
     """A variant asked for by name (a typo, or one this CPU lacks) never turns into the many
     times slower torch references with only a log line."""
