@@ -7,7 +7,7 @@
 #
 #   bash bench/peers/serve_spec_compare.sh [DTYPE] [vllm bench serve options...]
 #   ROUNDS=3 bash bench/peers/serve_spec_compare.sh bfloat16 --max-concurrency 16
-#   SPEC_CONFIG='{"method": "suffix", "num_speculative_tokens": 5}' bash bench/peers/serve_spec_compare.sh
+#   SPEC_CONFIG='{"method": "suffix"}' bash bench/peers/serve_spec_compare.sh
 #
 # Client options default to --max-concurrency 16 (serve_compare.sh's workload: random 256-token
 # prompts, 128 output tokens, 64 prompts, seed 0). Needs setup_vllm.sh's venv (the client) and
