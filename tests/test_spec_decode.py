@@ -321,13 +321,14 @@ def sample_sequences(config: dict | None, num_requests: int) -> Counter:
     return Counter(tuple(sample.token_ids) for output in finals.values() for sample in output.outputs)
 
 
-def test_sampled_sequences_have_the_non_speculative_distribution():
-    """800 seeded 4-token samples of an 8-token-vocabulary model, with and without ngram
-    drafts (3 per step): each position's token and the pair (second, third) have the same
-    distribution (two-sample chi-square)."""
+@pytest.mark.parametrize("method", sorted(PROPOSERS))
+def test_sampled_sequences_have_the_non_speculative_distribution(method):
+    """800 seeded 4-token samples of an 8-token-vocabulary model, with and without drafts (3
+    per step): each position's token and the pair (second, third) have the same distribution
+    (two-sample chi-square)."""
     num = 800
     plain = sample_sequences(None, num)
-    spec = sample_sequences(dict(NGRAM, num_speculative_tokens=3, disable_by_batch_size=None), num)
+    spec = sample_sequences(dict(PROPOSERS[method], num_speculative_tokens=3, disable_by_batch_size=None), num)
 
     def project(counts: Counter, index) -> Counter:
         projected = Counter()
