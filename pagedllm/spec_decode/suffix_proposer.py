@@ -84,16 +84,20 @@ class SuffixProposer:
         # Arctic Inference's rule: every suffix of the sequence that occurred before with a
         # continuation gives a draft (at most max_spec_factor x its length); the draft with
         # the highest score (its expected number of accepted tokens: the sum of its
-        # estimated prefix probabilities) wins, the longer match on a tie.
+        # estimated prefix probabilities) wins, the longer match on a tie. Longest first: a
+        # draft of at most `limit` tokens scores at most `limit`, so once the limit of the
+        # suffixes left is no more than the best score, none of them can win.
         best: list[int] = []
         best_score = 0.0
-        for length, node in enumerate(trie.active, start=1):
-            if not node.children:
-                break  # no longer suffix has a continuation either
+        for length in range(len(trie.active), 0, -1):
             limit = min(max_num_tokens, int(self.max_spec_factor * length + 1e-6))
-            draft, score = self._walk(node, limit)
-            if draft and score >= best_score:
-                best, best_score = draft, score
+            if limit <= best_score:
+                break
+            node = trie.active[length - 1]
+            if node.children:
+                draft, score = self._walk(node, limit)
+                if score > best_score:
+                    best, best_score = draft, score
         return best
 
     def _walk(self, node: _Node, limit: int) -> tuple[list[int], float]:
