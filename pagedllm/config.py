@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -161,11 +162,13 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
-        if not (isinstance(self.suffix_decoding_max_spec_factor, (int, float)) and self.suffix_decoding_max_spec_factor > 0):
-            raise ValueError("speculative_config: suffix_decoding_max_spec_factor must be > 0, got "
+        def is_number(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        if not (is_number(self.suffix_decoding_max_spec_factor) and self.suffix_decoding_max_spec_factor > 0):
+            raise ValueError("speculative_config: suffix_decoding_max_spec_factor must be a finite number > 0, got "
                              f"{self.suffix_decoding_max_spec_factor!r}")
-        if not (isinstance(self.suffix_decoding_min_token_prob, (int, float))
-                and 0 <= self.suffix_decoding_min_token_prob <= 1):
+        if not (is_number(self.suffix_decoding_min_token_prob) and 0 <= self.suffix_decoding_min_token_prob <= 1):
             raise ValueError("speculative_config: suffix_decoding_min_token_prob must be in [0, 1], got "
                              f"{self.suffix_decoding_min_token_prob!r}")
 

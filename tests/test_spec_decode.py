@@ -116,6 +116,14 @@ def test_suffix_proposer_equals_brute_force():
     assert not proposer._tries
 
 
+def test_suffix_proposer_takes_a_huge_spec_factor():
+    """A finite factor whose product with the match length overflows to inf (the breaker's
+    1e308) bounds nothing: drafts are num_speculative_tokens long, no OverflowError."""
+    SpeculativeConfig.from_dict({"method": "suffix", "suffix_decoding_max_spec_factor": 1e308})
+    request = Request("r", [1, 2, 3, 4, 5, 6, 1, 2, 3], SamplingParams(), 100, None)
+    assert SuffixProposer(24, 1e308, 0.0).propose(request, 2) == [4, 5]
+
+
 # ----------------------------------------------------------------------------- greedy equality
 def spec_engine(config: dict | None, **kwargs) -> LLMEngine:
     return make_tiny_engine(speculative_config=config, **kwargs)
@@ -477,6 +485,11 @@ def test_speculative_config_is_checked():
         "prompt_lookup_min \\(4\\) must be <=": {"method": "ngram", "num_speculative_tokens": 2,
                                                  "prompt_lookup_min": 4, "prompt_lookup_max": 2},
         "min_token_prob": {"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 2},
+        "max_spec_factor must be a finite number > 0, got inf": {"method": "suffix",
+                                                                 "suffix_decoding_max_spec_factor": float("inf")},
+        "max_spec_factor must be a finite number > 0, got True": {"method": "suffix",
+                                                                  "suffix_decoding_max_spec_factor": True},
+        "min_token_prob must be in \\[0, 1\\], got True": {"method": "suffix", "suffix_decoding_min_token_prob": True},
         "not valid JSON": "{method: ngram}",
     }
     for message, config in refused.items():

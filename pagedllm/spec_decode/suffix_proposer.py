@@ -90,7 +90,8 @@ class SuffixProposer:
         best: list[int] = []
         best_score = 0.0
         for length in range(len(trie.active), 0, -1):
-            limit = min(max_num_tokens, int(self.max_spec_factor * length + 1e-6))
+            allowed = self.max_spec_factor * length
+            limit = max_num_tokens if allowed >= max_num_tokens else int(allowed + 1e-6)
             if limit <= best_score:
                 break
             node = trie.active[length - 1]
