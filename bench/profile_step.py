@@ -1,10 +1,15 @@
 """Where one engine step spends its time: a decode step and a prefill step at batch 1, 16, 64.
 
     .venv/bin/python bench/profile_step.py [--dtype float32] [--context 300] [--repeats 5]
+    # a model without its weights, and the last 2,048-token chunk of a 32k-token prompt:
+    .venv/bin/python bench/profile_step.py --config bench/configs/Llama-3.2-3B-Instruct.json \
+        --dtype bfloat16 --batches 1 --context 1024 --prefill-context 30720 --prefill-tokens 2048
 
 Decode at batch B: B sequences each with ``--context`` tokens in the KV cache compute one
 token. Prefill at batch B: B prompts of ``min(512, 2048 // B)`` tokens each (one step of the
-default 2048-token budget). The KV contents are zeros: attention costs depend on lengths only.
+default 2048-token budget), or of ``--prefill-tokens`` each after ``--prefill-context`` cached
+tokens (a later chunk of a chunked prefill). The KV contents are zeros: attention costs depend
+on lengths only.
 Every step is timed without the profiler (median of ``--repeats``), then once under
 ``torch.profiler`` to split its time into categories of ATen ops; "python + other" is the
 step's wall time that no ATen op accounts for (list building, tensor creation, dispatch).
@@ -99,11 +104,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--config", default=None,
+                        help="a config.json: its shape with random weights (load_format dummy); default SmolLM2-135M")
+    parser.add_argument("--prefill-context", type=int, default=0, help="cached tokens before each prefill chunk")
+    parser.add_argument("--prefill-tokens", type=int, default=None,
+                        help="tokens per prefill chunk (default min(512, 2048 // batch))")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+
+    def prefill_tokens(num_seqs: int) -> int:
+        return args.prefill_tokens or min(512, 2048 // num_seqs)
+
+    max_model_len = max(2048, args.context + 1, args.prefill_context + prefill_tokens(1))
+    # The pool holds the largest step's blocks (16 tokens each).
+    num_blocks = max(b * -(-max(args.context + 1, args.prefill_context + prefill_tokens(b)) // 16)
+                     for b in args.batches)
+    model = {"model": args.config, "load_format": "dummy"} if args.config else {}
     llm = LLM(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-              kv_cache_memory_bytes=1 << 30, max_model_len=2048, max_num_seqs=64)
+              max_model_len=max_model_len, max_num_seqs=max(64, *args.batches), block_size=16,
+              max_num_batched_tokens=max(2048, *(b * prefill_tokens(b) for b in args.batches)),
+              enable_prefix_caching=False, num_gpu_blocks_override=num_blocks, **model)
     runner = llm.llm_engine.model_runner
     print(f"dtype {llm.llm_engine.model.dtype}, KV cache {llm.llm_engine.kv_cache_dtype}, "
           f"{torch.get_num_threads()} threads")
@@ -112,7 +133,7 @@ def main() -> None:
             if kind == "decode":
                 batch = make_batch(llm, num_seqs, args.context, 1)
             else:
-                batch = make_batch(llm, num_seqs, 0, min(512, 2048 // num_seqs))
+                batch = make_batch(llm, num_seqs, args.prefill_context, prefill_tokens(num_seqs))
             tokens = batch.total_num_scheduled_tokens
             median = time_step(runner, batch, args.repeats)
             wall, parts = profile_step(runner, batch)

