@@ -80,10 +80,14 @@ def time_step(runner, batch: ScheduledBatch, repeats: int) -> float:
     return statistics.median(times)
 
 
-def profile_step(runner, batch: ScheduledBatch) -> tuple[float, dict[str, float]]:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+def profile_step(runner, batch: ScheduledBatch, top: int = 0) -> tuple[float, dict[str, float]]:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=top > 0) as prof:
         with record_function("step"):
             runner.execute_model(batch)
+    if top:
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=top,
+                                                                   max_name_column_width=40,
+                                                                   max_shapes_column_width=60))
     wall = 0.0
     per_category: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
@@ -109,6 +113,8 @@ def main() -> None:
     parser.add_argument("--prefill-context", type=int, default=0, help="cached tokens before each prefill chunk")
     parser.add_argument("--prefill-tokens", type=int, default=None,
                         help="tokens per prefill chunk (default min(512, 2048 // batch))")
+    parser.add_argument("--top", type=int, default=0, help="also print the N ops (by shape) of most self time")
+    parser.add_argument("--kinds", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -128,7 +134,7 @@ def main() -> None:
     runner = llm.llm_engine.model_runner
     print(f"dtype {llm.llm_engine.model.dtype}, KV cache {llm.llm_engine.kv_cache_dtype}, "
           f"{torch.get_num_threads()} threads")
-    for kind in ("decode", "prefill"):
+    for kind in args.kinds:
         for num_seqs in args.batches:
             if kind == "decode":
                 batch = make_batch(llm, num_seqs, args.context, 1)
@@ -136,7 +142,7 @@ def main() -> None:
                 batch = make_batch(llm, num_seqs, args.prefill_context, prefill_tokens(num_seqs))
             tokens = batch.total_num_scheduled_tokens
             median = time_step(runner, batch, args.repeats)
-            wall, parts = profile_step(runner, batch)
+            wall, parts = profile_step(runner, batch, args.top)
             shares = ", ".join(f"{name} {100 * t / wall:.0f}%" for name, t in
                                sorted(parts.items(), key=lambda kv: -kv[1]))
             print(f"{kind:7} batch {num_seqs:3} ({tokens:4} tokens): {median * 1000:8.1f} ms/step, "

@@ -331,10 +331,35 @@ def test_prefill_bf16_close_to_fp32(q_len):
     torch.testing.assert_close(out.float(), expected, rtol=2 ** -6, atol=2e-2)
 
 
-@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+def test_sdpa_prefill_after_a_cached_prefix_equals_masked_softmax(dtype, num_heads, num_kv_heads):
+    """A chunk after a cached prefix (no window) takes two mask-free SDPA calls, prefix and
+    chunk, merged by log-sum-exp (``_attention_over_prefix_and_chunk``, query heads folded per
+    KV head): equal to a bottom-right causal softmax over the cache's rows in float64."""
+    key_cache, value_cache, g = random_caches(num_kv_heads, dtype, seed=11)
+    q_len, context_len = 40, 150
+    table = torch.randperm(NUM_BLOCKS, generator=g)[:-(-context_len // BLOCK_SIZE)]
+    query = torch.randn(q_len, num_heads, HEAD_DIM, generator=g).to(dtype)
+    key = value = torch.zeros(q_len, num_kv_heads, HEAD_DIM, dtype=dtype)  # read from the cache
+    seq = PrefillSequence(0, q_len, context_len, table)
+    out = prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, 0.125)
+    keys, values = (c[table].reshape(-1, num_kv_heads, HEAD_DIM)[:context_len].double()
+                    .repeat_interleave(num_heads // num_kv_heads, dim=1) for c in (key_cache, value_cache))
+    scores = torch.einsum("qhd,khd->hqk", query.double(), keys) * 0.125
+    query_pos = torch.arange(context_len - q_len, context_len)[:, None]
+    scores.masked_fill_(torch.arange(context_len)[None, :] > query_pos, float("-inf"))
+    expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 1e-2}
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, **tol)
+
+
+@pytest.mark.parametrize("window", [50])
 def test_sdpa_prefill_in_query_slices_equals_one_call(monkeypatch, window):
-    """``prefill_attention_sdpa`` bounds its mask by slicing the queries (``SDPA_MASK_BYTES``):
-    slices of 7 rows give what one call over all 40 rows gives, window included."""
+    """Under a sliding window ``prefill_attention_sdpa`` masks, and bounds the mask by slicing
+    the queries (``SDPA_MASK_BYTES``): slices of 7 rows give what one call over all 40 rows
+    gives."""
     from pagedllm.layers import attention as attention_module
     key_cache, value_cache, g = random_caches(2, torch.float32, seed=9)
     q_len, context_len = 40, 150
