@@ -89,8 +89,9 @@ ENVIRONMENT_VARIABLES: tuple[EnvironmentVariable, ...] = (
         "bitwise the same alone, batched and after preemption (vLLM's `VLLM_BATCH_INVARIANT`): bf16 "
         "weights stay in pagedllm's own tiles and prefill attention in its own kernel. Matters on CPUs "
         "with AMX, where by default bf16 linear layers (the LM head excepted) and long prefill chunks "
-        "run oneDNN's and torch's AMX kernels instead (4-10x faster at prefill). Elsewhere the default "
-        "already is invariant (see [Sampling](sampling.md))."),
+        "run oneDNN's and torch's AMX kernels instead (4-10x faster at prefill), and on CPUs with "
+        "AVX512_BF16, where bf16 chunks of 1,024+ tokens after 8,192 cached ones run torch's SDPA. "
+        "Elsewhere the default already is invariant (see [Sampling](sampling.md))."),
     EnvironmentVariable(
         "PAGEDLLM_TP_TIMEOUT_S", float, 120.0,
         "Seconds a tensor-parallel collective inside a step waits for the other ranks before the "

@@ -373,19 +373,31 @@ def test_sdpa_prefill_in_query_slices_equals_one_call(monkeypatch, window):
     torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("amx,dtypes,q_len,context_len,sdpa", [
-    (True, (torch.bfloat16, torch.bfloat16), 1024, 2048, True), (True, (torch.float32, torch.float32), 1024, 2048, True),
-    (True, (torch.bfloat16, torch.bfloat16), 1024, 2047, False),
-    (True, (torch.float32, torch.bfloat16), 1024, 2048, False), (False, (torch.bfloat16, torch.bfloat16), 1024, 2048, False)])
-def test_long_prefill_chunks_take_sdpa_where_amx_is(kernel, monkeypatch, amx, dtypes, q_len, context_len, sdpa):
-    """From ``SDPA_MIN_PAIRS`` query x key pairs, on CPUs with AMX (patched) and a cache of the
-    query's dtype, prefill attention is torch's SDPA (AMX tiles, 2-5x faster there), else the
-    kernel; ``amx_preferred`` is False under ``PAGEDLLM_BATCH_INVARIANT=1``."""
+@pytest.mark.parametrize("amx,bf16_units,dtypes,q_len,context_len,sdpa", [
+    (True, True, (torch.bfloat16, torch.bfloat16), 1024, 2048, True),
+    (True, True, (torch.float32, torch.float32), 1024, 2048, True),
+    (True, True, (torch.bfloat16, torch.bfloat16), 1024, 2047, False),
+    (True, True, (torch.float32, torch.bfloat16), 1024, 2048, False),
+    (False, False, (torch.bfloat16, torch.bfloat16), 1024, 2048, False),
+    (False, True, (torch.bfloat16, torch.bfloat16), 1024, 2048, False),
+    (False, True, (torch.bfloat16, torch.bfloat16), 1024, 1024 + 8192, True),
+    (False, True, (torch.bfloat16, torch.bfloat16), 1024, 1024 + 8191, False),
+    (False, True, (torch.bfloat16, torch.bfloat16), 1023, 1023 + 8192, False),
+    (False, True, (torch.float32, torch.float32), 1024, 1024 + 8192, False),
+    (False, False, (torch.bfloat16, torch.bfloat16), 1024, 1024 + 8192, False)])
+def test_long_prefill_chunks_take_sdpa_where_it_is_faster(kernel, monkeypatch, amx, bf16_units, dtypes, q_len,
+                                                          context_len, sdpa):
+    """On CPUs with AMX (patched), from ``SDPA_MIN_PAIRS`` query x key pairs with a cache of the
+    query's dtype, prefill attention is torch's SDPA (AMX tiles, 2-5x faster there); on CPUs
+    with AVX512_BF16 and no AMX, bf16 chunks of ``SDPA_MIN_QUERIES`` after ``SDPA_MIN_PREFIX``
+    cached tokens; else the kernel. Both helpers are False under ``PAGEDLLM_BATCH_INVARIANT=1``."""
     from pagedllm.layers import attention as attention_module
     if not kernel.prefill_attention_supported(HEAD_DIM):
         pytest.skip("this build has no AVX-512 prefill kernel (prefill_attention always uses SDPA)")
-    assert q_len * 2048 == attention_module.SDPA_MIN_PAIRS
+    assert 1024 * 2048 == attention_module.SDPA_MIN_PAIRS
+    assert (attention_module.SDPA_MIN_QUERIES, attention_module.SDPA_MIN_PREFIX) == (1024, 8192)
     monkeypatch.setattr(attention_module, "amx_preferred", lambda: amx)
+    monkeypatch.setattr(attention_module, "avx512_bf16_preferred", lambda: bf16_units)
     query_dtype, cache_dtype = dtypes
     num_blocks, num_heads, num_kv_heads = -(-context_len // BLOCK_SIZE), 2, 1
     g = torch.Generator().manual_seed(context_len)
@@ -399,6 +411,16 @@ def test_long_prefill_chunks_take_sdpa_where_amx_is(kernel, monkeypatch, amx, dt
     expected = (prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale) if sdpa
                 else kernel.paged_prefill_attention(query, key_cache, value_cache, table, context_len, scale))
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("invariant", ["0", "1"])
+def test_avx512_bf16_preference_follows_the_cpu_and_batch_invariance(monkeypatch, invariant):
+    """``avx512_bf16_preferred`` is this CPU's AVX512_BF16 flag, and False under
+    ``PAGEDLLM_BATCH_INVARIANT=1``, which keeps every chunk in the kernel."""
+    from pagedllm.layers.attention import avx512_bf16_preferred
+    from pagedllm.platform import cpu_flags
+    monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", invariant)
+    assert avx512_bf16_preferred() == (invariant == "0" and "avx512_bf16" in cpu_flags())
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (4, 1, 256)])

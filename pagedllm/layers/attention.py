@@ -33,9 +33,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from pagedllm import envs
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear import amx_preferred
 from pagedllm.layers.ops import dequantize_kv, quantize_kv, reshape_and_cache_
+from pagedllm.platform import cpu_flags
 
 
 @dataclass
@@ -231,10 +233,16 @@ def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
 # Query x key pairs of a chunk from which torch's flash SDPA outruns the C++ kernel. Measured
 # on an Intel Xeon with AMX (2 cores, 2026-12-04, `bench/prefill_attention.py`): in bf16 SDPA
 # took 0.21-0.42x the kernel's time from 1,024 x 2,048 pairs up (torch's flash kernel runs AMX
-# tiles), 0.6-0.9x below; in fp32 0.56-0.86x from there, 1.1-2.0x at 150-500 tokens. On an AMD
-# EPYC Zen 4 (AVX512_BF16, no AMX) the kernel was 1.8-2.4x faster than SDPA in bf16 up to 500 x
-# 2,000 pairs (bench/README.md), so the switch is made only where AMX is.
+# tiles), 0.6-0.9x below; in fp32 0.56-0.86x from there, 1.1-2.0x at 150-500 tokens.
 SDPA_MIN_PAIRS = 1 << 21
+# On CPUs with AVX512_BF16 but no AMX, bf16 only: the chunk's queries and its cached prefix
+# from which SDPA (one mask-free call over the prefix, one causal call over the chunk) outruns
+# the kernel. Measured on an AMD EPYC Zen 4 (2 cores, 2026-12-06, `bench/prefill_attention.py`):
+# SDPA took 0.38-0.78x the kernel's time at 2,048 queries over 16,384 keys for the SmolLM2,
+# SmolLM2-1.7B and Llama-3.1-8B head shapes, 0.51-1.40x over 4,096 keys and 1.2-4.5x up to
+# 2,048 x 2,048 for SmolLM2's 3 KV heads of 64.
+SDPA_MIN_QUERIES = 1024
+SDPA_MIN_PREFIX = 8192
 # Most bytes of the additive mask ``prefill_attention_sdpa`` builds per SDPA call (under a
 # sliding window; without one a chunk after a cached prefix needs no mask).
 SDPA_MASK_BYTES = 32 << 20
@@ -242,11 +250,23 @@ SDPA_MASK_BYTES = 32 << 20
 
 def sdpa_is_faster(q_len: int, context_len: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether ``prefill_attention`` runs a chunk of ``q_len`` queries over ``context_len``
-    keys through SDPA rather than the C++ kernel: from ``SDPA_MIN_PAIRS`` pairs, fp32 or bf16
-    with a cache of the same dtype, on CPUs with AMX-BF16 unless ``PAGEDLLM_BATCH_INVARIANT=1``
-    (``amx_preferred``; the kernel's rows are bitwise the decode kernel's, SDPA's are not)."""
-    return (cache_dtype == dtype and dtype in (torch.float32, torch.bfloat16)
-            and q_len * context_len >= SDPA_MIN_PAIRS and amx_preferred())
+    keys through SDPA rather than the C++ kernel, with a cache of the query's dtype: on CPUs
+    with AMX-BF16, fp32 or bf16 from ``SDPA_MIN_PAIRS`` pairs (``amx_preferred``); on CPUs with
+    AVX512_BF16 and no AMX, bf16 from ``SDPA_MIN_QUERIES`` queries after a cached prefix of
+    ``SDPA_MIN_PREFIX`` tokens. Never under ``PAGEDLLM_BATCH_INVARIANT=1``: the kernel's rows
+    are bitwise the decode kernel's, SDPA's are not."""
+    if cache_dtype != dtype or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if amx_preferred():
+        return q_len * context_len >= SDPA_MIN_PAIRS
+    return (dtype == torch.bfloat16 and avx512_bf16_preferred()
+            and q_len >= SDPA_MIN_QUERIES and context_len - q_len >= SDPA_MIN_PREFIX)
+
+
+def avx512_bf16_preferred() -> bool:
+    """Whether the CPU has AVX512_BF16 (and ``PAGEDLLM_BATCH_INVARIANT`` is off): long bf16
+    chunks after a long cached prefix then go to SDPA (``sdpa_is_faster``)."""
+    return not envs.PAGEDLLM_BATCH_INVARIANT and "avx512_bf16" in cpu_flags()
 
 
 class PrefillAttention(CustomOp):
