@@ -1,11 +1,13 @@
-"""Prefill attention on this CPU: the C++ kernel (``csrc/prefill_attention.cpp``, K/V read through
-the block table) against torch's flash SDPA (``prefill_attention_sdpa``: the cached prefix
-gathered, the KV heads repeated, a bottom-right causal mask), for SmolLM2-135M, SmolLM2-1.7B
-and Llama-3.1-8B head shapes, chunks of 150 to 2,048 queries over contexts up to 16k.
+"""Prefill attention on this CPU: the exact C++ kernel (``csrc/prefill_attention.cpp``, K/V read
+through the block table), in bf16 over a bf16 cache the AVX512_BF16 one
+(``csrc/prefill_attention_bf16.cpp``) where the build has it, and torch's flash SDPA
+(``prefill_attention_sdpa``: the cached prefix gathered, the KV heads repeated), for
+SmolLM2-135M, SmolLM2-1.7B and Llama-3.1-8B head shapes, chunks of 150 to 2,048 queries over
+contexts up to 16k.
 
-Prints each one's median milliseconds (both alternated in one process) and SDPA's time over the
-kernel's: below 1 SDPA is faster. ``layers/attention.py``'s ``SDPA_MIN_PAIRS`` is read off
-these ratios.
+Prints each one's median milliseconds (all alternated in one process) and their times over the
+exact kernel's: below 1 is faster. ``layers/attention.py``'s ``SDPA_MIN_PAIRS`` and
+``bf16_kernel_preferred`` are read off these ratios.
 
     .venv/bin/python bench/prefill_attention.py [--dtype bfloat16] [--kv-cache-dtype int8] [--repeats 5]
 """
@@ -35,6 +37,7 @@ def main() -> None:
     if native_ops() is None:
         raise SystemExit("the C++ ops are not loaded")
     dtype = getattr(torch, args.dtype)
+    bf16_kernel = torch.ops.pagedllm.prefill_attention_bf16_supported(64)
     print(f"{args.dtype}, KV cache {args.kv_cache_dtype}; amx_bf16: {'amx_bf16' in cpu_flags()}; threads: {torch.get_num_threads()}")
     torch.manual_seed(0)
     for heads, kv_heads, head_dim in HEADS:
@@ -50,9 +53,11 @@ def main() -> None:
             # chunk, the kernel always from the cache): random, as the timing does not care.
             key, value = (torch.randn(q_len, kv_heads, head_dim).to(dtype) for _ in range(2))
             seq, scale = PrefillSequence(0, q_len, ctx, table), head_dim ** -0.5
-            runs = {"kernel": lambda: torch.ops.pagedllm.paged_prefill_attention(query, key_cache, value_cache,
-                                                                                 table, ctx, scale),
+            args = (query, key_cache, value_cache, table, ctx, scale)
+            runs = {"kernel": lambda: torch.ops.pagedllm.paged_prefill_attention(*args),
                     "sdpa": lambda: prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale)}
+            if dtype == torch.bfloat16 and args[1].dtype == dtype and bf16_kernel:
+                runs["bf16"] = lambda: torch.ops.pagedllm.paged_prefill_attention_bf16(*args)
             times = {name: [] for name in runs}
             for fn in runs.values():
                 fn()
@@ -61,9 +66,12 @@ def main() -> None:
                     start = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - start)
-            kernel, sdpa = (sorted(times[n])[len(times[n]) // 2] * 1e3 for n in ("kernel", "sdpa"))
-            print(f"heads {heads}/{kv_heads} x {head_dim}, {q_len} x {ctx}: kernel {kernel:.2f} ms, "
-                  f"sdpa {sdpa:.2f} ms, sdpa / kernel {sdpa / kernel:.2f}", flush=True)
+            ms = {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
+            flop = 4 * head_dim * heads * q_len * (ctx - q_len / 2)  # causal Q.K and P.V
+            print(f"heads {heads}/{kv_heads} x {head_dim}, {q_len} x {ctx}: "
+                  + ", ".join(f"{name} {t:.2f} ms ({flop / t / 1e9:.0f} GFLOP/s)" for name, t in ms.items())
+                  + "; over kernel: " + ", ".join(f"{name} {ms[name] / ms['kernel']:.2f}" for name in ms
+                                                  if name != "kernel"), flush=True)
 
 
 if __name__ == "__main__":

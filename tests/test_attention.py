@@ -373,54 +373,113 @@ def test_sdpa_prefill_in_query_slices_equals_one_call(monkeypatch, window):
     torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("amx,bf16_units,dtypes,q_len,context_len,sdpa", [
-    (True, True, (torch.bfloat16, torch.bfloat16), 1024, 2048, True),
-    (True, True, (torch.float32, torch.float32), 1024, 2048, True),
-    (True, True, (torch.bfloat16, torch.bfloat16), 1024, 2047, False),
-    (True, True, (torch.float32, torch.bfloat16), 1024, 2048, False),
-    (False, False, (torch.bfloat16, torch.bfloat16), 1024, 2048, False),
-    (False, True, (torch.bfloat16, torch.bfloat16), 1024, 2048, False),
-    (False, True, (torch.bfloat16, torch.bfloat16), 1024, 1024 + 8192, True),
-    (False, True, (torch.bfloat16, torch.bfloat16), 1024, 1024 + 8191, False),
-    (False, True, (torch.bfloat16, torch.bfloat16), 1023, 1023 + 8192, False),
-    (False, True, (torch.float32, torch.float32), 1024, 1024 + 8192, False),
-    (False, False, (torch.bfloat16, torch.bfloat16), 1024, 1024 + 8192, False)])
-def test_long_prefill_chunks_take_sdpa_where_it_is_faster(kernel, monkeypatch, amx, bf16_units, dtypes, q_len,
-                                                          context_len, sdpa):
+def loaded_variant() -> str:
+    """The instruction-set variant of the loaded C++ ops (``pagedllm/cpu_isa.py``)."""
+    return torch.ops.pagedllm.build_info().partition(" ")[0]
+
+
+@pytest.mark.parametrize("amx,invariant,dtypes,q_len,context_len,path", [
+    (True, "0", (torch.bfloat16, torch.bfloat16), 1024, 2048, "sdpa"),
+    (True, "0", (torch.float32, torch.float32), 1024, 2048, "sdpa"),
+    (True, "0", (torch.bfloat16, torch.bfloat16), 1024, 2047, "bf16"),
+    (True, "0", (torch.float32, torch.bfloat16), 1024, 2048, "exact"),
+    (False, "0", (torch.bfloat16, torch.bfloat16), 1024, 1024 + 8192, "bf16"),
+    (False, "0", (torch.bfloat16, torch.bfloat16), 37, 40, "bf16"),
+    (False, "1", (torch.bfloat16, torch.bfloat16), 37, 40, "exact"),
+    (False, "0", (torch.float32, torch.float32), 1024, 2048, "exact"),
+    (False, "0", (torch.bfloat16, torch.int8), 37, 40, "exact")])
+def test_prefill_attention_picks_the_fastest_kernel(kernel, monkeypatch, amx, invariant, dtypes, q_len,
+                                                    context_len, path):
     """On CPUs with AMX (patched), from ``SDPA_MIN_PAIRS`` query x key pairs with a cache of the
-    query's dtype, prefill attention is torch's SDPA (AMX tiles, 2-5x faster there); on CPUs
-    with AVX512_BF16 and no AMX, bf16 chunks of ``SDPA_MIN_QUERIES`` after ``SDPA_MIN_PREFIX``
-    cached tokens; else the kernel. Both helpers are False under ``PAGEDLLM_BATCH_INVARIANT=1``."""
+    query's dtype, prefill attention is torch's SDPA (AMX tiles, 2-5x faster there); else bf16
+    over a bf16 cache is the AVX512_BF16 kernel where this build has it (the exact kernel under
+    ``PAGEDLLM_BATCH_INVARIANT=1``), and everything else the exact kernel."""
     from pagedllm.layers import attention as attention_module
     if not kernel.prefill_attention_supported(HEAD_DIM):
         pytest.skip("this build has no AVX-512 prefill kernel (prefill_attention always uses SDPA)")
     assert 1024 * 2048 == attention_module.SDPA_MIN_PAIRS
-    assert (attention_module.SDPA_MIN_QUERIES, attention_module.SDPA_MIN_PREFIX) == (1024, 8192)
     monkeypatch.setattr(attention_module, "amx_preferred", lambda: amx)
-    monkeypatch.setattr(attention_module, "avx512_bf16_preferred", lambda: bf16_units)
+    monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", invariant)
+    if path == "bf16" and not kernel.prefill_attention_bf16_supported(HEAD_DIM):
+        path = "exact"
     query_dtype, cache_dtype = dtypes
     num_blocks, num_heads, num_kv_heads = -(-context_len // BLOCK_SIZE), 2, 1
     g = torch.Generator().manual_seed(context_len)
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
-    key_cache, value_cache = (torch.randn(shape, generator=g).to(cache_dtype) for _ in range(2))
+    key_cache, value_cache = (torch.randn(shape, generator=g).to(query_dtype) for _ in range(2))
+    if cache_dtype == torch.int8:
+        key_cache, value_cache = quantize_kv(key_cache), quantize_kv(value_cache)
+    else:
+        key_cache, value_cache = key_cache.to(cache_dtype), value_cache.to(cache_dtype)
     table = torch.randperm(num_blocks, generator=g)
     query = torch.randn(q_len, num_heads, HEAD_DIM, generator=g).to(query_dtype)
     key = value = torch.zeros(q_len, num_kv_heads, HEAD_DIM, dtype=query_dtype)  # read from the cache
     seq, scale = PrefillSequence(0, q_len, context_len, table), HEAD_DIM ** -0.5
     out = prefill_attention(query, key, value, key_cache, value_cache, seq, scale)
-    expected = (prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale) if sdpa
-                else kernel.paged_prefill_attention(query, key_cache, value_cache, table, context_len, scale))
+    args = (query, key_cache, value_cache, table, context_len, scale)
+    expected = {"sdpa": lambda: prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale),
+                "bf16": lambda: kernel.paged_prefill_attention_bf16(*args),
+                "exact": lambda: kernel.paged_prefill_attention(*args)}[path]()
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("invariant", ["0", "1"])
-def test_avx512_bf16_preference_follows_the_cpu_and_batch_invariance(monkeypatch, invariant):
-    """``avx512_bf16_preferred`` is this CPU's AVX512_BF16 flag, and False under
-    ``PAGEDLLM_BATCH_INVARIANT=1``, which keeps every chunk in the kernel."""
-    from pagedllm.layers.attention import avx512_bf16_preferred
-    from pagedllm.platform import cpu_flags
-    monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", invariant)
-    assert avx512_bf16_preferred() == (invariant == "0" and "avx512_bf16" in cpu_flags())
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (4, 1, 256), (8, 8, 64)])
+@pytest.mark.parametrize("num_cached,q_len,block_size", [(0, 1, 16), (0, 37, 16), (23, 40, 16), (150, 7, 16),
+                                                         (5, 130, 16), (31, 33, 5), (64, 64, 1)])
+def test_bf16_prefill_kernel_matches_reference_and_sdpa(kernel, num_heads, num_kv_heads, head_dim, num_cached,
+                                                        q_len, block_size):
+    """The AVX512_BF16 prefill kernel (online softmax over 32-key blocks, bf16 weights) against
+    fp64 math on the cached values and against SDPA: the head shapes of SmolLM2, Qwen2.5-0.5B,
+    Gemma 3 and a group of 1; chunks with and without a cached prefix that start and end inside
+    key blocks and query tiles, a single token, block sizes that do not divide a key block.
+    Builds without AVX512_BF16 refuse it (``prefill_attention_bf16_supported`` is False)."""
+    args_ok = kernel.prefill_attention_bf16_supported(head_dim)
+    assert args_ok == (loaded_variant() == "avx512_bf16")
+    g = torch.Generator().manual_seed(num_cached + q_len + head_dim)
+    context_len = num_cached + q_len
+    num_blocks = -(-context_len // block_size) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache, value_cache = (torch.randn(shape, generator=g).bfloat16() for _ in range(2))
+    table = torch.randperm(num_blocks, generator=g)[:-(-context_len // block_size)]
+    query = (2 * torch.randn(q_len, num_heads, head_dim, generator=g)).bfloat16()
+    scale = head_dim ** -0.5
+    if not args_ok:
+        with pytest.raises(ValueError, match=f"head_dim {head_dim} is not supported by this build"):
+            kernel.paged_prefill_attention_bf16(query, key_cache, value_cache, table, context_len, scale)
+        return
+    out = kernel.paged_prefill_attention_bf16(query, key_cache, value_cache, table, context_len, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == query.shape
+    positions = list(range(num_cached, context_len))
+    expected = dense_reference(query, key_cache, value_cache, table.tolist(), context_len, positions, scale)
+    # The weights' bf16 rounding (relative 2^-9) on top of the output's.
+    torch.testing.assert_close(out.double(), expected, rtol=2 ** -7, atol=4e-3)
+    chunk = torch.arange(num_cached, context_len)  # SDPA takes the chunk's own K/V as arguments
+    key, value = (cache[table[chunk // block_size], chunk % block_size] for cache in (key_cache, value_cache))
+    seq = PrefillSequence(0, q_len, context_len, table)
+    sdpa = prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale)
+    torch.testing.assert_close(out.float(), sdpa.float(), rtol=2 ** -6, atol=2e-2)
+
+
+def test_bf16_prefill_kernel_rejects_bad_arguments(kernel):
+    """Other dtypes, bad tables and lengths: ValueError naming the limit and the value."""
+    key_cache, value_cache = (torch.randn(8, BLOCK_SIZE, 2, HEAD_DIM).bfloat16() for _ in range(2))
+    query = torch.randn(20, 4, HEAD_DIM).bfloat16()
+    if not kernel.prefill_attention_bf16_supported(HEAD_DIM):
+        with pytest.raises(ValueError, match="not supported by this build"):
+            kernel.paged_prefill_attention_bf16(query, key_cache, value_cache, torch.tensor([1, 2]), 20, 1.0)
+        return
+    with pytest.raises(ValueError, match="bfloat16 query and bfloat16 K/V caches"):
+        kernel.paged_prefill_attention_bf16(query.float(), key_cache, value_cache, torch.tensor([1, 2]), 20, 1.0)
+    with pytest.raises(ValueError, match="bfloat16 query and bfloat16 K/V caches"):
+        kernel.paged_prefill_attention_bf16(query, quantize_kv(key_cache), quantize_kv(value_cache),
+                                            torch.tensor([1, 2]), 20, 1.0)
+    with pytest.raises(ValueError, match=r"block_table\[1\] = 8 is outside \[0, 8\)"):
+        kernel.paged_prefill_attention_bf16(query, key_cache, value_cache, torch.tensor([5, 8]), 20, 1.0)
+    with pytest.raises(ValueError, match=r"context_len 40 must be in \[q_len = 20, 32\]"):
+        kernel.paged_prefill_attention_bf16(query, key_cache, value_cache, torch.tensor([1, 2]), 40, 1.0)
+    with pytest.raises(ValueError, match="head_dim 48 is not supported"):
+        kernel.paged_prefill_attention_bf16(torch.randn(4, 4, 48).bfloat16(), key_cache[..., :48].contiguous(),
+                                            value_cache[..., :48].contiguous(), torch.tensor([1]), 4, 1.0)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (4, 1, 256)])
@@ -428,7 +487,7 @@ def test_avx512_bf16_preference_follows_the_cpu_and_batch_invariance(monkeypatch
                                     (torch.float32, torch.bfloat16), (torch.float32, torch.int8),
                                     (torch.bfloat16, torch.int8)])
 @pytest.mark.parametrize("num_cached,q_len", [(0, 1), (0, 37), (23, 40), (150, 7), (5, 130)])
-def test_prefill_kernel_matches_reference_and_sdpa(kernel, num_heads, num_kv_heads, head_dim, dtypes,
+def test_prefill_kernel_matches_reference_and_sdpa(kernel, monkeypatch, num_heads, num_kv_heads, head_dim, dtypes,
                                                    num_cached, q_len):
     """The C++ prefill kernel (16 x 16 tiles, K/V through the block table)
     against fp64 math on the cached values and against the SDPA path, for every dtype pair
@@ -450,6 +509,7 @@ def test_prefill_kernel_matches_reference_and_sdpa(kernel, num_heads, num_kv_hea
     scale = head_dim ** -0.5
     out = kernel.paged_prefill_attention(query, key_cache, value_cache, table, context_len, scale)
     assert out.dtype == query_dtype and out.shape == query.shape
+    monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", "1")  # bf16 otherwise takes the AVX512_BF16 kernel
     torch.testing.assert_close(prefill_attention(query, key, value, key_cache, value_cache, seq, scale), out,
                                rtol=0, atol=0)
     expected = dense_reference(query, key_cache, value_cache, table.tolist(), context_len, positions, scale)
@@ -503,4 +563,5 @@ def test_prefill_kernel_rejects_bad_tables_and_lengths(kernel):
     with pytest.raises(ValueError, match=r"context_len 40 must be in \[q_len = 20, 32\]"):
         kernel.paged_prefill_attention(query, key_cache, value_cache, torch.tensor([1, 2]), 40, 1.0)
     with pytest.raises(ValueError, match="head_dim 48 is not supported"):
-        kernel.paged_prefill_attention(torch.randn(4, 4, 48), key_cache, value_cache, torch.tensor([1]), 4, 1.0)
+        kernel.paged_prefill_attention(torch.randn(4, 4, 48), key_cache[..., :48].contiguous(),
+                                       value_cache[..., :48].contiguous(), torch.tensor([1]), 4, 1.0)

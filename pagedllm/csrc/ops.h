@@ -1,6 +1,7 @@
 // The C++ ops, callable from one another (decoder_layer.cpp runs a whole decode layer through
 // them). Each is also registered as torch.ops.pagedllm.<name>; see the defining file for the
-// semantics: fused_ops.cpp, paged_attention.cpp, quant_gemm.cpp, w8a8.cpp, w4a8.cpp.
+// semantics: fused_ops.cpp, paged_attention.cpp, prefill_attention.cpp, quant_gemm.cpp, w8a8.cpp,
+// w4a8.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -110,5 +111,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                        const at::Tensor& smooth_inv, const std::optional<at::Tensor>& bias, bool portable);
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        bool portable);
+void check_prefill_arguments(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_table, int64_t context_len);
 
 }  // namespace pagedllm

@@ -320,11 +320,10 @@ bool prefill_attention_supported(int64_t head_dim) {
 #endif
 }
 
-at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                   const at::Tensor& block_table, int64_t context_len, double scale) {
+// The argument checks both prefill kernels share (ops.h); ValueError on a bad one.
+void check_prefill_arguments(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_table, int64_t context_len) {
   TORCH_CHECK_VALUE(query.dim() == 3 && query.stride(2) == 1, "query must be [q_len, heads, head_dim] with contiguous head_dim");
-  TORCH_CHECK_VALUE(prefill_attention_supported(query.size(2)),
-                    "paged_prefill_attention: head_dim ", query.size(2), " is not supported by this build");
   const bool int8_cache = key_cache.scalar_type() == at::kChar;
   TORCH_CHECK_VALUE(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 4 &&
                         key_cache.sizes() == value_cache.sizes() &&
@@ -348,8 +347,17 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
     TORCH_CHECK_VALUE(table[b] >= 0 && table[b] < key_cache.size(0), "block_table[", b, "] = ", table[b],
                       " is outside [0, ", key_cache.size(0), ")");
   }
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                   const at::Tensor& block_table, int64_t context_len, double scale) {
+  check_prefill_arguments(query, key_cache, value_cache, block_table, context_len);
+  TORCH_CHECK_VALUE(prefill_attention_supported(query.size(2)),
+                    "paged_prefill_attention: head_dim ", query.size(2), " is not supported by this build");
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
 #if defined(__AVX512F__)
+  const bool int8_cache = key_cache.scalar_type() == at::kChar;
+  const int64_t* table = block_table.data_ptr<int64_t>();
   const float s = static_cast<float>(scale);
   if (int8_cache && query.scalar_type() == at::kFloat) {
     dispatch<float, int8_t>(out, query, key_cache, value_cache, table, context_len, s);

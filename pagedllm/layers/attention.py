@@ -37,7 +37,6 @@ from pagedllm import envs
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear import amx_preferred
 from pagedllm.layers.ops import dequantize_kv, quantize_kv, reshape_and_cache_
-from pagedllm.platform import cpu_flags
 
 
 @dataclass
@@ -235,14 +234,6 @@ def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
 # took 0.21-0.42x the kernel's time from 1,024 x 2,048 pairs up (torch's flash kernel runs AMX
 # tiles), 0.6-0.9x below; in fp32 0.56-0.86x from there, 1.1-2.0x at 150-500 tokens.
 SDPA_MIN_PAIRS = 1 << 21
-# On CPUs with AVX512_BF16 but no AMX, bf16 only: the chunk's queries and its cached prefix
-# from which SDPA (one mask-free call over the prefix, one causal call over the chunk) outruns
-# the kernel. Measured on an AMD EPYC Zen 4 (2 cores, 2026-12-06, `bench/prefill_attention.py`):
-# SDPA took 0.38-0.78x the kernel's time at 2,048 queries over 16,384 keys for the SmolLM2,
-# SmolLM2-1.7B and Llama-3.1-8B head shapes, 0.51-1.40x over 4,096 keys and 1.2-4.5x up to
-# 2,048 x 2,048 for SmolLM2's 3 KV heads of 64.
-SDPA_MIN_QUERIES = 1024
-SDPA_MIN_PREFIX = 8192
 # Most bytes of the additive mask ``prefill_attention_sdpa`` builds per SDPA call (under a
 # sliding window; without one a chunk after a cached prefix needs no mask).
 SDPA_MASK_BYTES = 32 << 20
@@ -250,23 +241,21 @@ SDPA_MASK_BYTES = 32 << 20
 
 def sdpa_is_faster(q_len: int, context_len: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether ``prefill_attention`` runs a chunk of ``q_len`` queries over ``context_len``
-    keys through SDPA rather than the C++ kernel, with a cache of the query's dtype: on CPUs
-    with AMX-BF16, fp32 or bf16 from ``SDPA_MIN_PAIRS`` pairs (``amx_preferred``); on CPUs with
-    AVX512_BF16 and no AMX, bf16 from ``SDPA_MIN_QUERIES`` queries after a cached prefix of
-    ``SDPA_MIN_PREFIX`` tokens. Never under ``PAGEDLLM_BATCH_INVARIANT=1``: the kernel's rows
-    are bitwise the decode kernel's, SDPA's are not."""
+    keys through SDPA rather than a C++ kernel: on CPUs with AMX-BF16 (``amx_preferred``, never
+    under ``PAGEDLLM_BATCH_INVARIANT=1``), with a cache of the query's dtype, fp32 or bf16, from
+    ``SDPA_MIN_PAIRS`` pairs."""
     if cache_dtype != dtype or dtype not in (torch.float32, torch.bfloat16):
         return False
-    if amx_preferred():
-        return q_len * context_len >= SDPA_MIN_PAIRS
-    return (dtype == torch.bfloat16 and avx512_bf16_preferred()
-            and q_len >= SDPA_MIN_QUERIES and context_len - q_len >= SDPA_MIN_PREFIX)
+    return amx_preferred() and q_len * context_len >= SDPA_MIN_PAIRS
 
 
-def avx512_bf16_preferred() -> bool:
-    """Whether the CPU has AVX512_BF16 (and ``PAGEDLLM_BATCH_INVARIANT`` is off): long bf16
-    chunks after a long cached prefix then go to SDPA (``sdpa_is_faster``)."""
-    return not envs.PAGEDLLM_BATCH_INVARIANT and "avx512_bf16" in cpu_flags()
+def bf16_kernel_preferred(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether a bf16 chunk over a bf16 cache goes to ``paged_prefill_attention_bf16`` (AVX512_BF16
+    dot products, weights rounded to bf16) rather than the exact kernel, where the build has it:
+    always but under ``PAGEDLLM_BATCH_INVARIANT=1``, which keeps rows bitwise the decode
+    kernel's. Measured on an AMD EPYC Zen 4 (2 cores, 2026-12-06, ``bench/prefill_attention.py``):
+    0.18-0.63x the exact kernel's time and 0.20-0.54x SDPA's, from 150 x 150 to 2,048 x 16,384."""
+    return dtype == cache_dtype == torch.bfloat16 and not envs.PAGEDLLM_BATCH_INVARIANT
 
 
 class PrefillAttention(CustomOp):
@@ -274,30 +263,38 @@ class PrefillAttention(CustomOp):
     sliding_window=None)``: causal attention of a chunk of ``q_len`` tokens over its cached
     prefix and itself.
 
-    ``forward_cpu`` runs the C++ kernel (``pagedllm/csrc/prefill_attention.cpp``: 16 x 16
-    tiles, K/V read through ``seq.block_table``, each row bitwise the decode kernel's) where
-    the build has it (AVX-512, head_dim 64, 128 or 256), no sliding window cuts the context
-    and the chunk is smaller than where SDPA is faster (``sdpa_is_faster``), and
-    ``prefill_attention_sdpa`` (``forward_native``) otherwise. Arguments and result as
-    ``prefill_attention_sdpa``.
+    ``forward_cpu`` runs, where no sliding window cuts the context and SDPA is not faster
+    (``sdpa_is_faster``), a C++ kernel that reads K/V through ``seq.block_table``: for bf16 over
+    a bf16 cache (``bf16_kernel_preferred``) ``csrc/prefill_attention_bf16.cpp`` (AVX512_BF16
+    builds), else ``csrc/prefill_attention.cpp`` (AVX-512 builds; each row bitwise the decode
+    kernel's); both take head_dim 64, 128 or 256. Otherwise ``prefill_attention_sdpa``
+    (``forward_native``). Arguments and result as ``prefill_attention_sdpa``.
     """
 
     def __init__(self) -> None:
         super().__init__("paged_prefill_attention", prefill_attention_sdpa)
-        self._kernel_head_dims: dict[int, bool] = {}  # fixed for the process's build
+        self._supported: dict[tuple[str, int], bool] = {}  # fixed for the process's build
+
+    def _kernel_supports(self, kernel: str, head_dim: int) -> bool:
+        """Whether this build's ``torch.ops.pagedllm.paged_<kernel>`` takes ``head_dim``."""
+        supported = self._supported.get((kernel, head_dim))
+        if supported is None:
+            check = getattr(torch.ops.pagedllm, f"{kernel}_supported")
+            supported = self._supported[(kernel, head_dim)] = bool(check(head_dim))
+        return supported
 
     def forward_cpu(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor, seq: PrefillSequence, scale: float,
                     sliding_window: Optional[int] = None) -> torch.Tensor:
         head_dim = query.shape[2]
-        supported = self._kernel_head_dims.get(head_dim)
-        if supported is None:
-            supported = self._kernel_head_dims[head_dim] = bool(
-                torch.ops.pagedllm.prefill_attention_supported(head_dim))
-        if (supported and (sliding_window is None or sliding_window >= seq.context_len)
+        if ((sliding_window is None or sliding_window >= seq.context_len)
                 and not sdpa_is_faster(query.shape[0], seq.context_len, query.dtype, key_cache.dtype)):
-            return torch.ops.pagedllm.paged_prefill_attention(query, key_cache, value_cache, seq.block_table,
-                                                              seq.context_len, scale)
+            args = (query, key_cache, value_cache, seq.block_table, seq.context_len, scale)
+            if (bf16_kernel_preferred(query.dtype, key_cache.dtype)
+                    and self._kernel_supports("prefill_attention_bf16", head_dim)):
+                return torch.ops.pagedllm.paged_prefill_attention_bf16(*args)
+            if self._kernel_supports("prefill_attention", head_dim):
+                return torch.ops.pagedllm.paged_prefill_attention(*args)
         return prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale, sliding_window)
 
 
