@@ -53,11 +53,11 @@ def main() -> None:
             # chunk, the kernel always from the cache): random, as the timing does not care.
             key, value = (torch.randn(q_len, kv_heads, head_dim).to(dtype) for _ in range(2))
             seq, scale = PrefillSequence(0, q_len, ctx, table), head_dim ** -0.5
-            args = (query, key_cache, value_cache, table, ctx, scale)
-            runs = {"kernel": lambda: torch.ops.pagedllm.paged_prefill_attention(*args),
+            kernel_args = (query, key_cache, value_cache, table, ctx, scale)
+            runs = {"kernel": lambda: torch.ops.pagedllm.paged_prefill_attention(*kernel_args),
                     "sdpa": lambda: prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale)}
-            if dtype == torch.bfloat16 and args[1].dtype == dtype and bf16_kernel:
-                runs["bf16"] = lambda: torch.ops.pagedllm.paged_prefill_attention_bf16(*args)
+            if dtype == torch.bfloat16 and key_cache.dtype == dtype and bf16_kernel:
+                runs["bf16"] = lambda: torch.ops.pagedllm.paged_prefill_attention_bf16(*kernel_args)
             times = {name: [] for name in runs}
             for fn in runs.values():
                 fn()
@@ -69,7 +69,7 @@ def main() -> None:
             ms = {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
             flop = 4 * head_dim * heads * q_len * (ctx - q_len / 2)  # causal Q.K and P.V
             print(f"heads {heads}/{kv_heads} x {head_dim}, {q_len} x {ctx}: "
-                  + ", ".join(f"{name} {t:.2f} ms ({flop / t / 1e9:.0f} GFLOP/s)" for name, t in ms.items())
+                  + ", ".join(f"{name} {t:.2f} ms ({flop / t / 1e6:.0f} GFLOP/s)" for name, t in ms.items())
                   + "; over kernel: " + ", ".join(f"{name} {ms[name] / ms['kernel']:.2f}" for name in ms
                                                   if name != "kernel"), flush=True)
 

@@ -21,13 +21,13 @@ BLOCK_SIZE = 16
 CHUNK = 2048
 
 
-def _engine(tmp_path, max_model_len: int, num_blocks: int) -> LLMEngine:
+def _engine(tmp_path, max_model_len: int, num_blocks: int, dtype: str) -> LLMEngine:
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 1,
               "num_key_value_heads": 1, "head_dim": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
               "max_position_embeddings": 40960, "tie_word_embeddings": False, "vocab_size": 256}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    return LLMEngine(EngineArgs(model=str(tmp_path), load_format="dummy", dtype="float32", block_size=BLOCK_SIZE,
+    return LLMEngine(EngineArgs(model=str(tmp_path), load_format="dummy", dtype=dtype, block_size=BLOCK_SIZE,
                                 num_gpu_blocks_override=num_blocks, max_model_len=max_model_len,
                                 max_num_batched_tokens=CHUNK, max_num_seqs=4))
 
@@ -47,10 +47,15 @@ def _answer(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[list
     return list(final.outputs[0].token_ids), computed, final.num_cached_tokens
 
 
-def test_second_question_about_a_16k_document_computes_only_the_question(tmp_path):
+# bfloat16 takes the AVX512_BF16 prefill kernel where the CPU has it, float32 the exact one.
+DTYPES = ["float32", "bfloat16"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_second_question_about_a_16k_document_computes_only_the_question(tmp_path, dtype):
     document = _ids(16384 + 7, seed=1)  # 1,024 full blocks, and 7 tokens of a block the question ends
     first, second = _ids(40, seed=2), _ids(56, seed=3)
-    engine = _engine(tmp_path, max_model_len=16500, num_blocks=2 * 16500 // BLOCK_SIZE)
+    engine = _engine(tmp_path, max_model_len=16500, num_blocks=2 * 16500 // BLOCK_SIZE, dtype=dtype)
 
     _, computed, cached = _answer(engine, "q1", document + first)
     assert (computed, cached) == (len(document) + len(first), 0)
@@ -73,11 +78,12 @@ def _peak_rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
-def test_chunked_prefill_of_a_32k_prompt_grows_memory_linearly(tmp_path):
-    """The C++ prefill kernel's scratch per call is the context's K transposed to fp32
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_prefill_of_a_32k_prompt_grows_memory_linearly(tmp_path, dtype):
+    """The exact prefill kernel's scratch per call is the context's K transposed to fp32
     (``num_kv_heads * head_dim * context_len`` floats: 8 MiB here) plus a 16-query tile of scores
-    per thread; a chunk's ``[2048, 32768]`` fp32 score matrix would be 256 MiB, a whole
-    prompt's 4 GiB."""
+    per thread, the bf16 kernel's its K and V packed in bf16 (8 MiB); a chunk's ``[2048, 32768]``
+    fp32 score matrix would be 256 MiB, a whole prompt's 4 GiB."""
     if native_ops() is None:
         pytest.skip("the C++ ops are not loaded: the SDPA fallback builds a [q_len, context_len] mask per "
                     "chunk (bench/long_context.py measures it)")
@@ -87,7 +93,8 @@ def test_chunked_prefill_of_a_32k_prompt_grows_memory_linearly(tmp_path):
     except OSError as error:
         pytest.skip(f"cannot reset the peak resident size: {error}")
     num_tokens = 32768
-    engine = _engine(tmp_path, max_model_len=num_tokens + 8, num_blocks=(num_tokens + 8) // BLOCK_SIZE + 1)
+    engine = _engine(tmp_path, max_model_len=num_tokens + 8, num_blocks=(num_tokens + 8) // BLOCK_SIZE + 1,
+                     dtype=dtype)
     kv_pool_bytes = engine.num_blocks * engine.bytes_per_block
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")

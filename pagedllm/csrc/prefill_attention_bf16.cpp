@@ -12,10 +12,10 @@
 //
 // Why another kernel: prefill_attention.cpp's rows are bitwise the decode kernel's, so its sums
 // run in fp32 FMAs (16 products per instruction); VDPBF16PS does 32. On an AMD EPYC Zen 4
-// (2 cores, 2026-12-06, bench/prefill_attention.py) it took 0.18-0.63x that kernel's time and
-// 0.20-0.54x torch's flash SDPA's, from 150 x 150 to 2,048 x 16,384 queries x keys; at 2,048 x
-// 16,384 with 24 heads of 128 (Llama-3.2-3B) it ran ~280 GFLOP/s of causal work, 0.72 of that
-// CPU's bf16 GEMM rate.
+// (2 cores, 2026-12-06) this one took 0.14-0.63x that kernel's time and 0.20-0.55x torch's
+// flash SDPA's from 150 x 150 to 2,048 x 16,384 queries x keys, and ran ~300 GFLOP/s of causal
+// work at 2,048 x 16,384 with 32 heads of 128, 0.78 of that CPU's bf16 GEMM rate (bench/README.md,
+// "Prefill attention on bf16 dot products").
 // Its rows differ from the decode kernel's by bf16 rounding of the weights, so
 // PAGEDLLM_BATCH_INVARIANT=1 keeps the exact kernel (pagedllm/layers/attention.py).
 //

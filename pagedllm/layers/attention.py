@@ -254,7 +254,7 @@ def bf16_kernel_preferred(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     dot products, weights rounded to bf16) rather than the exact kernel, where the build has it:
     always but under ``PAGEDLLM_BATCH_INVARIANT=1``, which keeps rows bitwise the decode
     kernel's. Measured on an AMD EPYC Zen 4 (2 cores, 2026-12-06, ``bench/prefill_attention.py``):
-    0.18-0.63x the exact kernel's time and 0.20-0.54x SDPA's, from 150 x 150 to 2,048 x 16,384."""
+    0.14-0.63x the exact kernel's time and 0.20-0.55x SDPA's, from 150 x 150 to 2,048 x 16,384."""
     return dtype == cache_dtype == torch.bfloat16 and not envs.PAGEDLLM_BATCH_INVARIANT
 
 
@@ -276,7 +276,8 @@ class PrefillAttention(CustomOp):
         self._supported: dict[tuple[str, int], bool] = {}  # fixed for the process's build
 
     def _kernel_supports(self, kernel: str, head_dim: int) -> bool:
-        """Whether this build's ``torch.ops.pagedllm.paged_<kernel>`` takes ``head_dim``."""
+        """Whether this build's ``torch.ops.pagedllm.paged_<kernel>`` takes ``head_dim``
+        (its ``<kernel>_supported``)."""
         supported = self._supported.get((kernel, head_dim))
         if supported is None:
             check = getattr(torch.ops.pagedllm, f"{kernel}_supported")
