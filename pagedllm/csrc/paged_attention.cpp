@@ -68,13 +68,16 @@ inline void for_each_cached_block(const T* base, const int64_t* table, int64_t s
 
 // Blocks are scattered, so the hardware prefetcher cannot run ahead of a block walk: with each
 // row of a block the loops below prefetch the same slot's row of the next block. Spread so, one
-// row at a time, the loads stay ahead without a burst of a whole block's rows filling the
-// line-fill buffers (a burst at each block's start measured 12-17 % slower from L3 and DRAM,
-// no prefetch 20-25 % slower; bench/README.md, sixth round).
+// row at a time, the loads stay ahead without a burst of a whole block's rows (a burst at each
+// block's start measured 12-17 % slower from L3 and DRAM, no prefetch 20-25 % slower;
+// bench/README.md, sixth round). The rows are prefetched into L2 (PREFETCHT2), not L1: an L1
+// prefetch holds one of the core's few L1 miss buffers until its line arrives, which capped a
+// DRAM-bound walk at ~12 GB/s on Zen 4; into L2, 1.5-1.8x faster at 16k-32k tokens and 1.25-1.5x
+// at batch 64 (bench/README.md, "Decode attention prefetches into L2").
 template <typename T>
 inline void prefetch_row(const T* row, int64_t row_bytes) {
   const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(bytes + off, 0, 3);
+  for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(bytes + off, 0, 1);
 }
 
 // Sequences per thread from which a decode batch is split by sequence, not by KV head.
