@@ -10,7 +10,10 @@
 #   PAGEDLLM_ARGS="--quantization w8a8" bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
 #   SYSTEMS="pagedllm vllm llama-server" bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
 #   SYSTEMS="pagedllm pagedllm-spec" bash bench/peers/serve_compare.sh bfloat16 --max-concurrency 16
+#   MAX_MODEL_LEN=8192 bash bench/peers/serve_compare.sh bfloat16 --random-input-len 7680 \
+#     --random-output-len 256 --num-prompts 32 --max-concurrency 8     # long documents
 #
+# MAX_MODEL_LEN (default 2048) is every server's max_model_len (llama-server: per slot).
 # pagedllm-spec is `pagedllm serve` with PAGEDLLM_ARGS and --speculative-config "$SPEC_CONFIG"
 # (default ngram, 5 tokens, adaptive: disable_by_batch_size left at its default);
 # serve_spec_compare.sh alternates it with pagedllm.
@@ -30,6 +33,7 @@ PORT=${PORT:-8311}
 PAGEDLLM=${PAGEDLLM:-$ROOT/.venv/bin/pagedllm}
 LOGS=${LOGS:-$PEERS_DIR/serve-logs}
 SYSTEMS=${SYSTEMS:-pagedllm vllm}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-2048}
 LLAMA_SERVER=${LLAMA_SERVER:-$PEERS_DIR/llama-server}
 LLAMA_GGUF=${LLAMA_GGUF:-$PEERS_DIR/smollm2-q8_0.gguf}
 SPEC_CONFIG=${SPEC_CONFIG:-'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'}
@@ -38,7 +42,7 @@ export HF_HUB_OFFLINE=1
 
 grep -m1 "model name" /proc/cpuinfo
 echo "flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx512_bf16|avx512_vnni|avx_vnni|amx_bf16|amx_int8)$' | tr '\n' ' ')"
-echo "systems: $SYSTEMS; dtype $DTYPE; client options: $*; pagedllm options: ${PAGEDLLM_ARGS:-none}"
+echo "systems: $SYSTEMS; dtype $DTYPE; max_model_len $MAX_MODEL_LEN; client options: $*; pagedllm options: ${PAGEDLLM_ARGS:-none}"
 case " $SYSTEMS " in *" pagedllm-spec "*) echo "pagedllm-spec: --speculative-config '$SPEC_CONFIG'";; esac
 
 descendants() {  # $1: pid; prints the ids of all its descendants
@@ -51,15 +55,16 @@ start_server() {  # $1: system
     local spec=()
     [ "$1" = pagedllm-spec ] && spec=(--speculative-config "$SPEC_CONFIG")
     "$PAGEDLLM" serve --port "$PORT" --dtype "$DTYPE" --kv-cache-memory-bytes 4294967296 \
+      --max-model-len "$MAX_MODEL_LEN" \
       --served-model-name bench ${PAGEDLLM_ARGS:-} "${spec[@]}" > "$LOGS/$1.log" 2>&1 &
   elif [ "$1" = llama-server ]; then
-    "$LLAMA_SERVER" -m "$LLAMA_GGUF" --host 127.0.0.1 --port "$PORT" -np 16 -c $((16 * 2048)) \
+    "$LLAMA_SERVER" -m "$LLAMA_GGUF" --host 127.0.0.1 --port "$PORT" -np 16 -c $((16 * MAX_MODEL_LEN)) \
       -t "$(nproc)" -cb --alias bench > "$LOGS/llama-server.log" 2>&1 &
   else
     env VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND="0-$(($(nproc) - 1))" \
       LD_PRELOAD="$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null):$VLLM_VENV/lib/libiomp5.so" \
       "$VLLM_VENV/bin/vllm" serve "$MODEL_DIR" --served-model-name bench --port "$PORT" --dtype "$DTYPE" \
-      --max-model-len 2048 > "$LOGS/vllm.log" 2>&1 &
+      --max-model-len "$MAX_MODEL_LEN" > "$LOGS/vllm.log" 2>&1 &
   fi
   SERVER=$!
   for _ in $(seq 1 600); do
