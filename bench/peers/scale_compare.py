@@ -171,13 +171,18 @@ def main() -> int:
             r["fraction"] = r["single_stream_decode_tokens_per_s"] * r["step_bytes"] / bandwidth
             runs[name].append(r)
             shown = r["system"] if name not in llama_bytes else f"llama.cpp {Path(name).name}"
+            bound = (f"{r['fraction']:.0%} of the bound ({r['step_bytes'] / 2**20:.0f} MiB/token)" if r["step_bytes"]
+                     else f"bound unknown (pass --pair none:{args.vllm} for vllm's bytes)")
             print(f"{shown:>40} #{index + 1}: TTFT {r['single_stream_ttft_s']:7.2f} s, decode "
-                  f"{r['single_stream_decode_tokens_per_s']:6.2f} tok/s = {r['fraction']:.0%} of the bound "
-                  f"({r['step_bytes'] / 2**20:.0f} MiB/token; start-up {r['startup_s']} s)", flush=True)
+                  f"{r['single_stream_decode_tokens_per_s']:6.2f} tok/s = {bound}; start-up {r['startup_s']} s",
+                  flush=True)
     print()
 
     def med(rs: list[dict], key: str) -> float:
         return statistics.median(r[key] for r in rs)
+
+    def fraction(rs: list[dict]) -> str:
+        return f"{med(rs, 'fraction'):.0%}" if rs[0]["step_bytes"] else "unknown"
 
     pairs = [pair.partition("=") for pair in args.pair]
     peers = [(config, gguf, f"llama.cpp {Path(gguf).name}") for config, _, gguf in pairs if gguf]
@@ -190,7 +195,7 @@ def main() -> int:
         ttft = med(theirs, "single_stream_ttft_s") / med(ours, "single_stream_ttft_s")
         print(f"median pagedllm {config} vs {peer}: decode "
               f"{med(ours, 'single_stream_decode_tokens_per_s'):.2f} vs {med(theirs, 'single_stream_decode_tokens_per_s'):.2f}"
-              f" tok/s = {decode:.2f}x ({med(ours, 'fraction'):.0%} vs {med(theirs, 'fraction'):.0%} of the bound); "
+              f" tok/s = {decode:.2f}x ({fraction(ours)} vs {fraction(theirs)} of the bound); "
               f"TTFT {med(ours, 'single_stream_ttft_s'):.2f} vs {med(theirs, 'single_stream_ttft_s'):.2f} s = "
               f"{ttft:.2f}x faster")
     return 0
