@@ -7,13 +7,17 @@ random weights of the real shapes, quantized as asked) measured on the workload 
   generating ``--output-len`` tokens (greedy, EOS ignored), all through ``LLM.generate``;
 - for each ``--contexts`` length (default 1k, 16k, 32k; those over the model's context length
   are skipped): one prompt alone in the engine, its time to first token (every prefill chunk)
-  and its single-stream decode rate over ``--decode-tokens`` tokens at that context.
+  and its single-stream decode rate over ``--decode-tokens`` tokens at that context;
+- ``--cached-document N``: two questions about one N-token document, one after the other; the
+  second's time to first token, with the document's blocks from the prefix cache, against the
+  first's.
 
 Each run builds its engine once and warms it with a short request. The KV pool is sized to
 the largest run (``num_gpu_blocks_override``), so no run is cut by the machine's memory and
-none preempts. Prompts are random ids, so nothing is served from the prefix cache. Weights are
-random: output text is meaningless, the work is the real model's. Check the machine has room:
-the weights (``dtype`` bytes per parameter, or the quantized size) plus the KV pool.
+none preempts. Prompts are random ids, so nothing but the cached document is served from the
+prefix cache. Weights are random: output text is meaningless, the work is the real model's.
+Check the machine has room: the weights (``dtype`` bytes per parameter, or the quantized size)
+plus the KV pool.
 """
 
 from __future__ import annotations
@@ -43,6 +47,21 @@ def single_stream(llm: LLM, prompt: list[int], decode_tokens: int) -> dict:
     ttft, decode_rate = single_stream_pagedllm(llm, prompt, decode_tokens)
     return {"context": len(prompt), "ttft_s": ttft, "prefill_tokens_per_s": len(prompt) / ttft,
             "decode_tokens_per_s": decode_rate}
+
+
+def cached_document(llm: LLM, document_len: int, question_len: int, vocab_size: int, decode_tokens: int) -> dict:
+    """The long-document QA case: a ``document_len``-token document and a ``question_len``-token
+    question, alone in the engine, then the same document with another question. Returns both
+    times to first token (s), the first over the second, and the second request's prefix-cache
+    hits (tokens whose K/V it found instead of computing)."""
+    document = _prompt(document_len, vocab_size, 2000)
+    manager = llm.llm_engine.kv_cache_manager
+    first = single_stream(llm, document + _prompt(question_len, vocab_size, 2001), decode_tokens)
+    hits_before = manager.prefix_cache_hits
+    second = single_stream(llm, document + _prompt(question_len, vocab_size, 2002), decode_tokens)
+    return {"document": document_len, "question": question_len, "first_ttft_s": first["ttft_s"],
+            "second_ttft_s": second["ttft_s"], "speedup": first["ttft_s"] / second["ttft_s"],
+            "second_hit_tokens": manager.prefix_cache_hits - hits_before}
 
 
 def offline_throughput(llm: LLM, num_requests: int, prompt_len: int, output_len: int, vocab_size: int) -> dict:
@@ -84,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=32, help="offline throughput requests (0: skip)")
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--cached-document", type=int, default=0, metavar="TOKENS",
+                        help="also time two questions (--question-len tokens each) about one document of "
+                             "TOKENS tokens, the second served from the prefix cache (0: skip)")
+    parser.add_argument("--question-len", type=int, default=64)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
@@ -94,9 +117,14 @@ def run(args: argparse.Namespace) -> dict:
     contexts = [c for c in args.contexts if c + args.decode_tokens <= context_length]
     for skipped in sorted(set(args.contexts) - set(contexts)):
         print(f"skipped: context {skipped} + {args.decode_tokens} tokens is over the model's {context_length}")
-    longest = max([c + args.decode_tokens for c in contexts] + [args.prompt_len + args.output_len])
+    document = args.cached_document + args.question_len + args.decode_tokens if args.cached_document else 0
+    if document > context_length:
+        raise ValueError(f"--cached-document {args.cached_document} + --question-len {args.question_len} + "
+                         f"--decode-tokens {args.decode_tokens} is over the model's {context_length}")
+    longest = max([c + args.decode_tokens for c in contexts] + [args.prompt_len + args.output_len, document])
     throughput_tokens = args.num_requests * cdiv(args.prompt_len + args.output_len, BLOCK_SIZE) * BLOCK_SIZE
-    num_blocks = max(cdiv(longest, BLOCK_SIZE), cdiv(throughput_tokens, BLOCK_SIZE)) + 1
+    # The document's blocks stay cached (freed but not evicted) beside the second question's.
+    num_blocks = max(cdiv(longest, BLOCK_SIZE) + cdiv(document, BLOCK_SIZE), cdiv(throughput_tokens, BLOCK_SIZE)) + 1
     start = time.perf_counter()
     llm = build_llm(args, longest, num_blocks)
     engine = llm.llm_engine
@@ -123,6 +151,12 @@ def run(args: argparse.Namespace) -> dict:
         results["single_stream"].append(row)
         print(f"context {context:>6}: TTFT {row['ttft_s']:.2f} s ({row['prefill_tokens_per_s']:.0f} prefill tok/s), "
               f"decode {row['decode_tokens_per_s']:.2f} tok/s")
+    if args.cached_document:
+        row = results["cached_document"] = cached_document(llm, args.cached_document, args.question_len, vocab_size,
+                                                           args.decode_tokens)
+        print(f"document {row['document']} + question {row['question']} tokens: TTFT {row['first_ttft_s']:.2f} s, "
+              f"then {row['second_ttft_s']:.3f} s for another question ({row['speedup']:.0f}x sooner; "
+              f"{row['second_hit_tokens']} tokens from the prefix cache)")
     results["peak_process_bytes"] = process_rss_bytes()
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -48,8 +48,11 @@ def test_scale_benchmark_smoke_run_on_the_tiny_config(tmp_path):
     scale.add_arguments(parser)
     args = parser.parse_args(["--config", str(BENCH / "configs" / "tiny-llama.json"), "--contexts", "256", "50000",
                               "--decode-tokens", "4", "--num-requests", "3", "--prompt-len", "32",
-                              "--output-len", "5", "--json", str(tmp_path / "out.json")])
+                              "--output-len", "5", "--cached-document", "200", "--question-len", "9",
+                              "--json", str(tmp_path / "out.json")])
     results = scale.run(args)
+    # The second question finds the document's 12 full blocks of 16 (192 of its 200 tokens).
+    assert results["cached_document"]["second_hit_tokens"] == 192
     assert [row["context"] for row in results["single_stream"]] == [256]  # 50000 is over the model's 40960
     assert results["throughput"]["num_requests"] == 3
     assert json.loads((tmp_path / "out.json").read_text())["single_stream"][0]["context"] == 256
