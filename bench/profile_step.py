@@ -11,8 +11,8 @@ default 2048-token budget), or of ``--prefill-tokens`` each after ``--prefill-co
 tokens (a later chunk of a chunked prefill). The KV contents are zeros: attention costs depend
 on lengths only. The pool is faulted in at start (``warm_kv_cache``): never-written pages
 would all map the kernel's one zero page, and a long-context decode would read it from
-cache instead of its blocks from DRAM (32k-token 3B decode: 194 ms a step so, where the real
-one took 427).
+cache instead of its blocks from DRAM (32k-token 3B w8a8 decode on Zen 4, before 16c2183:
+194 ms a step so, where the engine after a real prompt took 427).
 Every step is timed without the profiler (median of ``--repeats``), then once under
 ``torch.profiler`` to split its time into categories of ATen ops; "python + other" is the
 step's wall time that no ATen op accounts for (list building, tensor creation, dispatch).
