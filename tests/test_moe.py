@@ -1,6 +1,6 @@
 """Mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE) against Hugging Face transformers fp32,
 and the fused experts path (tokens grouped by expert, one GEMM pair per active expert) against
-the per-token loop it replaces, float and int8/int4.
+the per-token loop it replaces, float and quantized (int8, int4, w8a8, w4a8), fp32 and bf16.
 
 Tolerances: greedy tokens equal and prompt logprobs within ``LOGPROB_TOL`` (1e-4,
 tests/test_model_families.py); fused against per-token: ``FUSED_TOL`` (the same products, each
@@ -46,12 +46,14 @@ def test_moe_equals_transformers(tiny_moe):
     assert_parity(hf, model, random_prompts(30, 4))
 
 
-def assert_fused_equals_per_token(block: SparseMoeBlock, hidden_size: int) -> None:
-    x = torch.randn(37, hidden_size, generator=torch.Generator().manual_seed(0))
+def assert_fused_equals_per_token(block: SparseMoeBlock, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
+    """fp32 within ``FUSED_TOL``; bf16 within torch's bf16 tolerance (measured: bitwise equal)."""
+    x = torch.randn(37, hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
     weights, expert_ids = route(block.gate(x), block.top_k, block.normalize)
     assert len(set(expert_ids.flatten().tolist())) > 1
+    tolerance = dict(rtol=0, atol=FUSED_TOL) if dtype == torch.float32 else {}
     torch.testing.assert_close(fused_experts(x, block.experts, weights, expert_ids),
-                               experts_per_token(x, block.experts, weights, expert_ids), rtol=0, atol=FUSED_TOL)
+                               experts_per_token(x, block.experts, weights, expert_ids), **tolerance)
 
 
 def test_fused_experts_equal_the_per_token_loop(tiny_moe):
@@ -62,17 +64,19 @@ def test_fused_experts_equal_the_per_token_loop(tiny_moe):
                                   config.hidden_size)
 
 
-@pytest.mark.parametrize("quantization,layer", [("int8", "Int8Linear"), ("int4", "Int4Linear")])
-def test_quantized_experts(tmp_path, quantization, layer):
-    """int8/int4 quantize every expert's projections (the router stays float); the fused path
-    and the per-token loop run the same quantized layers."""
+@pytest.mark.parametrize("quantization,layer", [("int8", "Int8Linear"), ("int4", "Int4Linear"),
+                                                ("w8a8", "W8A8Linear"), ("w4a8", "W4A8Linear")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_experts(tmp_path, quantization, layer, dtype):
+    """Each method quantizes every expert's projections (the router stays float); the fused
+    path and the per-token loop run the same quantized layers."""
     save_tiny_hf("mixtral", tmp_path, **FAMILIES["mixtral"])
     config, state_dict = load_checkpoint(tmp_path)
-    model = build_model(config, state_dict, torch.float32, quantization)
+    model = build_model(config, state_dict, dtype, quantization)
     block = model.layers[0].mlp
     assert {type(m).__name__ for e in block.experts for m in (e.gate_up_proj, e.down_proj)} == {layer}
     assert type(block.gate).__name__ == "Linear"
-    assert_fused_equals_per_token(block, config.hidden_size)
+    assert_fused_equals_per_token(block, config.hidden_size, dtype)
 
 
 def test_route_normalizes_only_when_asked():
@@ -90,8 +94,8 @@ def test_moe_refusals(tiny_moe):
         build_model(config, state_dict, torch.float32, tp=TensorParallelShard(0, 2))
     with pytest.raises(ValueError, match="tensor_parallel_size=2: the .* family runs with tensor_parallel_size=1"):
         TensorParallelShard(0, 2).check(config)
-    with pytest.raises(ValueError, match="quantization='w8a8' is not supported for mixture-of-experts"):
-        build_model(config, state_dict, torch.float32, "w8a8")
+    with pytest.raises(ValueError, match="quantization='awq' is not supported for mixture-of-experts"):
+        build_model(config, state_dict, torch.float32, "awq")
 
 
 def test_unknown_architectures_are_refused_by_name(tmp_path):

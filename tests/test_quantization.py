@@ -187,6 +187,70 @@ def test_quantized_model_equals_float_model_with_dequantized_weights(method):
     torch.testing.assert_close(logits(quantized), logits(reference), rtol=1e-4, atol=1e-4)
 
 
+_STREAMED_FAMILIES = {"llama": {}, "qwen3_moe": dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)}
+
+
+def _dummy_checkpoint(tmp_path, model_type: str, dtype: torch.dtype):
+    from transformers import AutoConfig
+
+    from pagedllm.models.dummy import load_dummy_checkpoint
+
+    AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                         max_position_embeddings=512, **_STREAMED_FAMILIES[model_type]
+                         ).to_json_file(tmp_path / "config.json")
+    return load_dummy_checkpoint(str(tmp_path / "config.json"), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", ["int8", "int4", "w4a8"])
+@pytest.mark.parametrize("model_type", sorted(_STREAMED_FAMILIES))
+def test_layers_are_quantized_as_they_load(tmp_path, monkeypatch, model_type, method, dtype):
+    """``build_model`` quantizes each decoder layer as soon as it is loaded (a 30B MoE does not
+    fit in float): while layer ``i``'s weights are read, no earlier layer holds a float
+    projection. The result equals quantizing after the whole float model is loaded: the same
+    tensors bitwise and the same ``unquantized_weight_bytes``."""
+    from pagedllm.models import loader
+    from pagedllm.models.quantize import quantize_model
+
+    config, weights = _dummy_checkpoint(tmp_path, model_type, dtype)
+    built = []
+
+    class Recorded(loader.MODEL_CLASSES[model_type]):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    float_layers_seen = []
+
+    class Watched(type(weights)):
+        def __getitem__(self, name):
+            if name.startswith("model.layers."):
+                layer = int(name.split(".")[2])
+                float_layers_seen.append(sorted({int(names[0].split(".")[2])
+                                                 for owner, attribute, names in built[0].quantizable_linears()
+                                                 if isinstance(getattr(owner, attribute), Linear)
+                                                 and not getattr(owner, attribute).weight.is_meta
+                                                 and int(names[0].split(".")[2]) != layer}))
+            return super().__getitem__(name)
+
+    monkeypatch.setitem(loader.MODEL_CLASSES, model_type, Recorded)
+    watched = Watched(config, dtype)
+    streamed = build_model(config, watched, dtype, method)
+    assert float_layers_seen and not any(float_layers_seen)
+
+    with torch.device("meta"):
+        whole = Recorded(config, dtype, method)
+    whole.load_hf_state_dict(weights)
+    quantize_model(whole)
+    whole.pack_linear_weights()
+    assert streamed.unquantized_weight_bytes == whole.unquantized_weight_bytes > weight_bytes(streamed)
+    expected = whole.state_dict()
+    assert streamed.state_dict().keys() == expected.keys()
+    for name, tensor in streamed.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
 def test_quantization_option_is_validated():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineArgs.from_kwargs(quantization="int3")

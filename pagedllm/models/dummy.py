@@ -3,11 +3,12 @@ a model built from a ``config.json`` alone, with random weights of the shapes th
 checkpoint has, so that a 7B-class model can be timed without its weights on disk.
 
 The weights go through the same path as a real checkpoint's (``build_model``:
-``load_hf_state_dict``, then ``quantize_model`` when ``quantization`` is set, then packing),
-so the built model's tensors, dtypes and quantized layouts are those of the real one
+``load_hf_state_dict``, each layer quantized as it loads when ``quantization`` is set, then
+packing), so the built model's tensors, dtypes and quantized layouts are those of the real one
 (``tests/test_dummy_weights.py`` compares them). Each tensor is drawn only when the model
 reads it, directly in the compute dtype, so building an 8B model in bf16 holds the model and
-one tensor, not a second fp32 copy of the checkpoint.
+one tensor, not a second fp32 copy of the checkpoint (quantized: the quantized model and one
+layer in float).
 """
 
 from __future__ import annotations

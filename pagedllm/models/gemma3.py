@@ -235,14 +235,15 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             hidden = layer(positions, hidden, kv_cache, metadata, rotary)
         return self.norm(hidden)
 
-    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor],
+                           on_layer_loaded: Optional[Callable[[int], None]] = None) -> None:
         """As ``LlamaForCausalLM.load_hf_state_dict``, plus the pre/post-feedforward norms and
         the q/k norms (HF names, e.g. ``model.layers.0.self_attn.q_norm.weight``).
 
         Raises:
             ValueError: a tensor is missing or has the wrong shape.
         """
-        super().load_hf_state_dict(state_dict)
+        super().load_hf_state_dict(state_dict, on_layer_loaded)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             norms = [("pre_feedforward_layernorm", layer.pre_feedforward_layernorm),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -410,12 +410,16 @@ class LlamaForCausalLM(nn.Module):
         """
         return self.lm_head(hidden, out_dtype=torch.float32)
 
-    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor],
+                           on_layer_loaded: Optional[Callable[[int], None]] = None) -> None:
         """Install weights named as in Hugging Face ``LlamaForCausalLM``, cast to ``self.dtype``.
 
         Q/K/V and gate/up (weights and biases) are concatenated into the fused projections. A
         missing ``lm_head.weight`` (or ``tie_word_embeddings``) ties the head to the embedding.
         Works on a model built on the meta device: every parameter is replaced.
+        ``on_layer_loaded(i)`` runs as soon as decoder layer ``i`` holds its weights
+        (``build_model`` quantizes the layer there, so that no more than one layer is ever
+        held in float).
 
         Raises:
             ValueError: a tensor is missing or has the wrong shape.
@@ -453,21 +457,15 @@ class LlamaForCausalLM(nn.Module):
             put(attn.o_proj, "weight", take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
             if attn.o_proj.bias is not None:
                 put(attn.o_proj, "bias", take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
-            mlp = layer.mlp
-            if hasattr(mlp, "gate_up_proj"):  # a MoE block has experts instead (models/moe.py loads them)
-                gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-                put(mlp.gate_up_proj, "weight", gate_up, p + "mlp.gate_up_proj.weight")
-                put(mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
-                if mlp.gate_up_proj.bias is not None:
-                    gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
-                    put(mlp.gate_up_proj, "bias", gate_up_bias, p + "mlp.gate_up_proj.bias")
-                    put(mlp.down_proj, "bias", take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
+            self._load_mlp(layer.mlp, p, take, put)
             norms = ["input_layernorm", "post_attention_layernorm"]
             if attn.q_norm is not None:
                 norms += ["self_attn.q_norm", "self_attn.k_norm"]
             for norm in norms:
                 module = layer.get_submodule(norm)
                 put(module, "weight", take(p + norm + ".weight"), p + norm + ".weight")
+            if on_layer_loaded is not None:
+                on_layer_loaded(i)
         if "lm_head.weight" in state_dict and not self.config.tie_word_embeddings:
             put(self.lm_head, "weight", state_dict["lm_head.weight"], "lm_head.weight")
         else:
@@ -475,3 +473,15 @@ class LlamaForCausalLM(nn.Module):
             # through a view of it (a strided gather, ~10 ms for 2048 tokens).
             self.lm_head.set_weight(self.embed_tokens.weight, dtype)
             self.embed_tokens.weight = nn.Parameter(self.lm_head.weight_t.t(), requires_grad=False)
+
+    def _load_mlp(self, mlp: nn.Module, prefix: str, take: Callable, put: Callable) -> None:
+        """Install a decoder layer's MLP: gate and up fused (``prefix``: ``model.layers.N.``;
+        ``take(name)`` reads this rank's slice of a checkpoint tensor, ``put(module, attribute,
+        tensor, name)`` installs it)."""
+        gate_up = torch.cat([take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")])
+        put(mlp.gate_up_proj, "weight", gate_up, prefix + "mlp.gate_up_proj.weight")
+        put(mlp.down_proj, "weight", take(prefix + "mlp.down_proj.weight"), prefix + "mlp.down_proj.weight")
+        if mlp.gate_up_proj.bias is not None:
+            gate_up_bias = torch.cat([take(prefix + "mlp.gate_proj.bias"), take(prefix + "mlp.up_proj.bias")])
+            put(mlp.gate_up_proj, "bias", gate_up_bias, prefix + "mlp.gate_up_proj.bias")
+            put(mlp.down_proj, "bias", take(prefix + "mlp.down_proj.bias"), prefix + "mlp.down_proj.bias")

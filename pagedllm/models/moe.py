@@ -8,16 +8,17 @@ whole projection and optional clipping), in whether the top-k probabilities are 
 (``MoEForCausalLM.moe_block_name``, ``expert_weight_names``).
 
 Decode runs the Python layers (the fused C++ decode op runs the dense Llama layer only).
-Quantization ``int8``/``int4`` quantizes every expert's two projections like a dense layer's
-(the router stays float, as in vLLM); the activation-quantized methods (``w8a8``, ``w4a8``) and
-checkpoints quantized by other tools are refused. Tensor parallelism is refused (see
+Quantization (``int8``, ``int4``, ``w8a8``, ``w4a8``) quantizes every expert's two projections
+like a dense layer's (the router stays float, as in vLLM; ``w8a8``'s calibration sees only the
+experts its text routes to, the others get no smoothing); checkpoints quantized by other tools
+are refused. Tensor parallelism is refused (see
 docs/tensor-parallel.md for the split it would take).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ from pagedllm.layers.quantization import QuantizableLinear
 from pagedllm.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedllm.models.sharding import TensorParallelShard
 
-MOE_QUANTIZATION_METHODS = (None, "int8", "int4")
+MOE_QUANTIZATION_METHODS = (None, "int8", "int4", "w8a8", "w4a8")
 
 
 @dataclass
@@ -88,7 +89,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     of ``expert_weight_names``.
 
     Raises:
-        ValueError: ``tp.size > 1``; a quantization other than int8/int4; a config whose
+        ValueError: ``tp.size > 1``; a checkpoint's quantization (AWQ, GPTQ, compressed-tensors); a config whose
             ``moe_layers`` does not cover every layer or whose top-k is not within the experts.
     """
 
@@ -124,39 +125,19 @@ class MoEForCausalLM(LlamaForCausalLM):
         return [QuantizableLinear(expert, attribute, [f"{prefix}mlp.experts.{e}.{attribute}.weight"])
                 for e, expert in enumerate(mlp.experts) for attribute in ("gate_up_proj", "down_proj")]
 
-    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """As ``LlamaForCausalLM.load_hf_state_dict`` (which loads the dense ``LlamaMLP`` layers
-        only), plus each MoE layer's router and experts (gate and up fused per expert).
-
-        Raises:
-            ValueError: a tensor is missing or has the wrong shape.
-        """
-        super().load_hf_state_dict(state_dict)
+    def _load_mlp(self, mlp: nn.Module, prefix: str, take: Callable, put: Callable) -> None:
+        """A MoE layer's router and experts (gate and up fused per expert); a dense layer's
+        ``LlamaMLP`` as Llama's."""
+        if not isinstance(mlp, SparseMoeBlock):
+            return super()._load_mlp(mlp, prefix, take, put)
         gate, up, down = self.expert_weight_names
-        for i, layer in enumerate(self.layers):
-            if not isinstance(layer.mlp, SparseMoeBlock):
-                continue
-            block = f"model.layers.{i}.{self.moe_block_name}."
-            _load_linear(layer.mlp.gate, _take(state_dict, block + "gate.weight"), block + "gate.weight", self.dtype)
-            for e, expert in enumerate(layer.mlp.experts):
-                p = f"{block}experts.{e}."
-                gate_up = torch.cat([_take(state_dict, p + gate + ".weight"), _take(state_dict, p + up + ".weight")])
-                _load_linear(expert.gate_up_proj, gate_up, p + "gate_up_proj.weight", self.dtype)
-                _load_linear(expert.down_proj, _take(state_dict, p + down + ".weight"), p + down + ".weight",
-                             self.dtype)
-
-
-def _take(state_dict: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    if name not in state_dict:
-        raise ValueError(f"weight {name!r} missing from the checkpoint")
-    return state_dict[name]
-
-
-def _load_linear(linear: Linear, weight: torch.Tensor, name: str, dtype: torch.dtype) -> None:
-    try:
-        linear.set_weight(weight, dtype)
-    except ValueError as exc:
-        raise ValueError(f"weight {name!r}: {exc}") from None
+        block = f"{prefix}{self.moe_block_name}."
+        put(mlp.gate, "weight", take(block + "gate.weight"), block + "gate.weight")
+        for e, expert in enumerate(mlp.experts):
+            p = f"{block}experts.{e}."
+            gate_up = torch.cat([take(p + gate + ".weight"), take(p + up + ".weight")])
+            put(expert.gate_up_proj, "weight", gate_up, p + "gate_up_proj.weight")
+            put(expert.down_proj, "weight", take(p + down + ".weight"), p + down + ".weight")
 
 
 def moe_layers(num_layers: int, mlp_only_layers=(), decoder_sparse_step: int = 1) -> tuple[bool, ...]:

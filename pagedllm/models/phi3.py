@@ -28,7 +28,7 @@ sliding window (Phi-3-mini-4k's 2047) says otherwise. Tensor parallelism: refuse
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -76,7 +76,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             return
         self.rotary.use_long_factors(max_model_len > scaling["original_max_position_embeddings"])
 
-    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor],
+                           on_layer_loaded: Optional[Callable[[int], None]] = None) -> None:
         """As ``LlamaForCausalLM.load_hf_state_dict``, from Phi-3's fused names (or Llama's).
 
         Raises:
@@ -84,7 +85,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         """
         c = self.config
         super().load_hf_state_dict(split_fused_weights(state_dict, c.num_attention_heads * c.head_dim,
-                                                       c.num_key_value_heads * c.head_dim, c.intermediate_size))
+                                                       c.num_key_value_heads * c.head_dim, c.intermediate_size),
+                                    on_layer_loaded)
 
     @staticmethod
     def gguf_int4_to_hf(weights: dict[str, Int4Weight], raw: dict) -> dict[str, Int4Weight]:

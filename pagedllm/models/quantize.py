@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedllm.data import TEXT_PATH
 from pagedllm.layers.attention import AttentionMetadata, PrefillSequence
+from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantization import (Int4Weight, Int8Embedding, Int8Weight, QuantizableLinear, get_quant_method,
                                           weight_bytes)
 
@@ -30,7 +31,7 @@ _BLOCK_SIZE = 16
 
 
 def quantize_model(model: nn.Module, prequantized: Optional[dict[str, "Int4Weight | Int8Weight"]] = None,
-                   calibration_token_ids: Optional[list[int]] = None) -> None:
+                   calibration_token_ids: Optional[list[int]] = None, streamed_bytes_saved: int = 0) -> None:
     """Replace every projection of the decoder layers (``model.quantizable_linears()``) by its
     quantized form, in place, by the method the model was built with (``model.quantization``;
     ``QuantMethod.quantize_linear``), then the LM head and token embedding
@@ -39,12 +40,16 @@ def quantize_model(model: nn.Module, prequantized: Optional[dict[str, "Int4Weigh
     Args:
         model: a ``LlamaForCausalLM`` (or subclass) with weights installed (for a checkpoint
             method, the quantized projections' float weights may be meta placeholders).
+            Projections already quantized (``quantize_linears`` as each layer was loaded) are
+            left as they are.
         prequantized: weights by Hugging Face name (``model.layers.0.self_attn.q_proj.weight``):
             ``Int4Weight`` for ``int4`` / ``w4a8`` (GGUF 4-bit; a fused layer uses them when
             every part is there, else quantizes its float weight) and the checkpoint methods,
             ``Int8Weight`` for the 8-bit checkpoint methods.
         calibration_token_ids: for a method that ``needs_calibration`` (``w8a8``): the
             calibration text's token ids (none: no smoothing).
+        streamed_bytes_saved: what ``quantize_linears`` returned for the projections quantized
+            while loading (bytes), so that ``unquantized_weight_bytes`` counts them in float.
 
     Raises:
         ValueError: unknown method, a layer whose shape the method's layout cannot hold (for
@@ -53,16 +58,11 @@ def quantize_model(model: nn.Module, prequantized: Optional[dict[str, "Int4Weigh
     """
     method = get_quant_method(model.quantization)
     prequantized = prequantized or {}
-    if not method.from_checkpoint:
-        model.unquantized_weight_bytes = weight_bytes(model)
     linears = model.quantizable_linears()
     activation_absmax = {}
     if method.needs_calibration and calibration_token_ids:
         activation_absmax = collect_input_absmax(model, calibration_token_ids, linears)
-    for owner, attribute, checkpoint_names in linears:
-        linear = getattr(owner, attribute)
-        parts = {name: prequantized.get(name) for name in checkpoint_names}
-        setattr(owner, attribute, method.quantize_linear(linear, parts, activation_absmax.get(linear)))
+    saved = quantize_linears(model, linears, prequantized, activation_absmax)
     if model.fused_decode is not None:  # None: a family the C++ decode op does not run (Gemma 3)
         model.fused_decode.invalidate()
     if method.from_checkpoint:
@@ -76,11 +76,36 @@ def quantize_model(model: nn.Module, prequantized: Optional[dict[str, "Int4Weigh
         if model.fused_decode is not None and any(m.input_order is not None for m in quantized):
             model.fused_decode.enabled = False  # decode_layers has no input gather
         return
+    model.unquantized_weight_bytes = weight_bytes(model) + saved + streamed_bytes_saved
     tied = model.embed_tokens.weight.untyped_storage().data_ptr() == model.lm_head.weight_t.untyped_storage().data_ptr()
     vocab = method.quantize_vocab(model.lm_head, model.embed_tokens.weight, tied)
     if vocab is not None:
         model.lm_head, table = vocab
         model.embed_tokens = Int8Embedding(table, model.dtype)
+
+
+def quantize_linears(model: nn.Module, linears: list[QuantizableLinear],
+                     prequantized: dict[str, "Int4Weight | Int8Weight"],
+                     activation_absmax: Optional[dict[nn.Module, torch.Tensor]] = None) -> int:
+    """Replace each of ``linears`` that is still a float ``Linear`` by ``model.quantization``'s
+    quantized layer (``prequantized`` and ``activation_absmax`` as for ``quantize_model``).
+
+    Returns:
+        the bytes the replaced float weights held beyond their quantized form.
+    """
+    method = get_quant_method(model.quantization)
+    activation_absmax = activation_absmax or {}
+    saved = 0
+    for owner, attribute, checkpoint_names in linears:
+        linear = getattr(owner, attribute)
+        if not isinstance(linear, Linear):
+            continue
+        parts = {name: prequantized.get(name) for name in checkpoint_names}
+        quantized = method.quantize_linear(linear, parts, activation_absmax.get(linear))
+        setattr(owner, attribute, quantized)
+        if not method.from_checkpoint:
+            saved += weight_bytes(linear) - weight_bytes(quantized)
+    return saved
 
 
 def calibration_token_ids(tokenizer, vocab_size: int, num_tokens: int = CALIBRATION_TOKENS) -> list[int]:
