@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from pagedllm import LLM, SamplingParams
 from pagedllm.models.dummy import hf_weight_shapes
 from pagedllm.models.hf_config import config_from_hf
 from pagedllm.models.loader import _read_gguf
+from pagedllm.models.moe import SparseMoeBlock
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
@@ -38,9 +40,54 @@ def test_dummy_gguf_has_the_configs_shapes(tmp_path, tensor_type):
     assert {name: tuple(t.shape) for name, t in state_dict.items()} == expected
 
 
+TINY_QWEN3_MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 300,
+                  "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512, "rope_theta": 1e6,
+                  "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                  "mlp_only_layers": []}
+
+
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_0"])
+def test_dummy_gguf_writes_qwen3_moe(tmp_path, monkeypatch, tensor_type):
+    """A qwen3_moe config (head_dim 32, not hidden / heads = 16) is written as llama.cpp's
+    ``qwen3moe``: the reader gets its shapes and MoE fields back, experts stacked and quantized,
+    the router F32, and the engine builds and runs the model."""
+    import gguf
+
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(TINY_QWEN3_MOE))
+    dummy_gguf.write_dummy_gguf(config_path, tmp_path / "model.gguf", tensor_type)
+    types = {t.name: (t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)))
+             for t in gguf.GGUFReader(str(tmp_path / "model.gguf")).tensors}
+    assert types["blk.1.ffn_down_exps.weight"] == (tensor_type, (8, 64, 32))
+    assert types["blk.1.ffn_gate_inp.weight"] == ("F32", (8, 64))
+    assert types["blk.1.attn_q_norm.weight"] == ("F32", (32,))
+    read_config, state_dict, _ = _read_gguf(tmp_path / "model.gguf")
+    assert read_config["model_type"] == "qwen3_moe"
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings", "rope_theta",
+                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers"):
+        assert read_config[key] == TINY_QWEN3_MOE[key], key
+    expected = hf_weight_shapes(config_from_hf(TINY_QWEN3_MOE, has_lm_head=True))
+    assert {name: tuple(t.shape) for name, t in state_dict.items()} == expected
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    llm = LLM(model=str(tmp_path / "model.gguf"), dtype="float32", kv_cache_memory_bytes=16 * 2**20,
+              max_model_len=256)
+    assert isinstance(llm.llm_engine.model.layers[1].mlp, SparseMoeBlock)
+    output, = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True),
+                           use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 3
+
+
 def test_dummy_gguf_refuses_other_families(tmp_path):
-    with pytest.raises(ValueError, match="qwen3_moe"):
-        dummy_gguf.write_dummy_gguf(BENCH / "configs" / "Qwen3-30B-A3B.json", tmp_path / "x.gguf")
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps({**TINY_QWEN3_MOE, "model_type": "gemma3_text"}))
+    with pytest.raises(ValueError, match="gemma3_text"):
+        dummy_gguf.write_dummy_gguf(config_path, tmp_path / "x.gguf")
+    config_path.write_text(json.dumps({**TINY_QWEN3_MOE, "mlp_only_layers": [0]}))
+    with pytest.raises(ValueError, match="experts in every layer"):
+        dummy_gguf.write_dummy_gguf(config_path, tmp_path / "x.gguf")
 
 
 def test_scale_benchmark_smoke_run_on_the_tiny_config(tmp_path):
