@@ -1,14 +1,20 @@
-"""What keeps a long-running engine's memory flat (issue 19.5)."""
+"""What keeps a long-running engine's memory flat (issue 19.5), and what bounds a quantized build's peak."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from pagedllm import platform
+from pagedllm.huge_pages import TRIM_BYTES
+from pagedllm.models.dummy import hf_weight_shapes, load_dummy_checkpoint
 from pagedllm.worker import model_runner
 from tests.conftest import make_tiny_engine
 
@@ -152,3 +158,51 @@ def test_machine_memory_is_capped_by_the_cgroup_memory_limit(tmp_path):
     assert machine_memory(str(tmp_path / "v1")) == (min(meminfo_total, 512 << 20), 0)
     (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
     assert machine_memory(str(tmp_path / "v1"))[0] == meminfo_total
+
+
+_BUILD_PEAK = """
+import json, sys, torch
+from pagedllm.huge_pages import release_freed_memory
+from pagedllm.layers.quantization import weight_bytes
+from pagedllm.models.dummy import load_dummy_checkpoint
+from pagedllm.models.loader import build_model
+
+def status_bytes(field):  # this process's own (ru_maxrss would count a forking parent's)
+    line = next(line for line in open("/proc/self/status") if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+# A first build loads the libraries and starts the thread pools.
+warm_up = build_model(*load_dummy_checkpoint(sys.argv[2], torch.bfloat16), torch.bfloat16, "w4a8")
+del warm_up
+release_freed_memory()
+config, state_dict = load_dummy_checkpoint(sys.argv[1], torch.bfloat16)
+before = status_bytes("VmRSS")
+model = build_model(config, state_dict, torch.bfloat16, "w4a8")
+print(json.dumps({"before": before, "peak": status_bytes("VmHWM"), "resident": status_bytes("VmRSS"),
+                  "weights": weight_bytes(model), "float": model.unquantized_weight_bytes}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+def test_quantized_build_holds_one_float_layer_at_a_time(tmp_path):
+    """A MoE model built in w4a8 from dummy weights (16 layers of 32 experts, 1.7 GB in bf16):
+    the process peaks below its quantized weights plus two float layers and what
+    ``move_weights_to_huge_pages`` copies between trims (each layer is quantized as it loads),
+    and keeps no freed float pages afterwards (``release_freed_memory``: glibc would otherwise
+    keep the freed layers' heap pages resident)."""
+    config = json.loads((Path(__file__).resolve().parent.parent / "bench" / "configs"
+                         / "Qwen3-30B-A3B.json").read_text())
+    config.update(hidden_size=1024, num_hidden_layers=16, num_experts=32, moe_intermediate_size=512,
+                  num_attention_heads=8, num_key_value_heads=2, vocab_size=4096)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "one-layer.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    engine_config, _ = load_dummy_checkpoint(str(tmp_path / "config.json"), torch.bfloat16)
+    layer_bytes = 2 * sum(torch.Size(shape).numel() for name, shape in hf_weight_shapes(engine_config).items()
+                          if name.startswith("model.layers.0."))
+    result = json.loads(subprocess.run([sys.executable, "-c", _BUILD_PEAK, str(tmp_path / "config.json"),
+                                        str(tmp_path / "one-layer.json")],
+                                       check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    slack = 96 << 20
+    assert result["float"] > result["weights"] + 2 * layer_bytes + TRIM_BYTES + slack  # the bound can fail
+    assert result["peak"] - result["before"] < result["weights"] + 2 * layer_bytes + TRIM_BYTES + slack
+    assert result["resident"] - result["before"] < result["weights"] + slack

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pagedllm import envs
-from pagedllm.huge_pages import move_weights_to_huge_pages
+from pagedllm.huge_pages import move_weights_to_huge_pages, release_freed_memory
 from pagedllm.layers.quantization import Int4Weight, Int8Weight, get_quant_method
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
@@ -350,6 +350,7 @@ def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype:
         def on_layer_loaded(index: int) -> None:
             nonlocal streamed_bytes_saved
             streamed_bytes_saved += quantize_linears(model, by_layer.pop(str(index), []), prequantized)
+            release_freed_memory()
 
     model.load_hf_state_dict(state_dict, on_layer_loaded)
     if model.quantization is not None:

@@ -16,6 +16,8 @@ from torch import nn
 INT4_GROUP_SIZE = 32
 # Rows of x up to which the quantized kernels beat dequantize-then-matmul (bench/quant_matmul.py).
 KERNEL_MAX_ROWS = 64
+# Weights quantized per chunk of rows: fp32 temporaries of at most 16 MiB each.
+QUANTIZE_CHUNK_ELEMENTS = 1 << 22
 
 
 class QuantizableLinear(NamedTuple):
@@ -184,20 +186,32 @@ def quantize_int8(weight: torch.Tensor, grouped: bool = False) -> tuple[torch.Te
     ``[N, K / 32]`` per 32-weight group: GGUF ``Q8_0``'s recipe (llama.cpp
     ``quantize_row_q8_0``), so a weight dequantized from a ``Q8_0`` file gets its own codes and
     scales back exactly. A group or row of zeros gets scale 1 (its codes are 0 either way).
+    Rows go in chunks of at most ``QUANTIZE_CHUNK_ELEMENTS`` weights, so the fp32 temporaries
+    stay small (a 151,936 x 2,048 LM head would take 1.2 GB per temporary).
 
     Raises:
         ValueError: ``grouped`` and ``K`` is not a multiple of 32.
     """
-    weight = weight.float()
     n, k = weight.shape
-    if grouped:
-        if k % INT4_GROUP_SIZE:
-            raise ValueError(f"grouped int8 needs in_features divisible by {INT4_GROUP_SIZE}, got {k}")
-        weight = weight.view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
-    scales = weight.abs().amax(dim=-1) / 127.0
-    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    codes = torch.round(weight / scales[..., None]).clamp_(-127, 127).to(torch.int8)
-    return codes.view(n, k), scales
+    if grouped and k % INT4_GROUP_SIZE:
+        raise ValueError(f"grouped int8 needs in_features divisible by {INT4_GROUP_SIZE}, got {k}")
+    codes = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty((n, k // INT4_GROUP_SIZE) if grouped else (n,), dtype=torch.float32)
+    for start, end in _row_chunks(n, k):
+        chunk = weight[start:end].float()
+        if grouped:
+            chunk = chunk.view(end - start, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        chunk_scales = chunk.abs().amax(dim=-1) / 127.0
+        chunk_scales = torch.where(chunk_scales == 0, torch.ones_like(chunk_scales), chunk_scales)
+        chunk_codes = torch.round(chunk / chunk_scales[..., None]).clamp_(-127, 127).to(torch.int8)
+        codes[start:end] = chunk_codes.view(end - start, k)
+        scales[start:end] = chunk_scales
+    return codes, scales
+
+
+def _row_chunks(n: int, k: int) -> list[tuple[int, int]]:
+    rows = max(1, QUANTIZE_CHUNK_ELEMENTS // k)
+    return [(start, min(start + rows, n)) for start in range(0, n, rows)]
 
 
 def quantize_int4(weight: torch.Tensor, half_scales: bool = False) -> Int4Weight:
@@ -205,20 +219,28 @@ def quantize_int4(weight: torch.Tensor, half_scales: bool = False) -> Int4Weight
     with ``half_scales`` both are rounded to fp16 before the codes are chosen, as ``Q4_1``
     stores them).
 
+    Rows go in chunks as ``quantize_int8``'s.
+
     Raises:
         ValueError: ``K`` (``weight.shape[1]``) is not a multiple of 32.
     """
     n, k = weight.shape
     if k % INT4_GROUP_SIZE:
         raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP_SIZE}, got {k}")
-    groups = weight.float().reshape(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
-    mins = groups.amin(dim=-1)
-    scales = (groups.amax(dim=-1) - mins) / 15.0
-    if half_scales:
-        mins, scales = mins.half().float(), scales.half().float()
-    inverse = torch.where(scales == 0, torch.zeros_like(scales), 1.0 / scales)
-    codes = torch.round((groups - mins[..., None]) * inverse[..., None]).clamp_(0, 15)
-    return Int4Weight(codes.to(torch.uint8).view(n, k), scales, mins)
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    scales = torch.empty(n, k // INT4_GROUP_SIZE, dtype=torch.float32)
+    mins = torch.empty_like(scales)
+    for start, end in _row_chunks(n, k):
+        groups = weight[start:end].float().reshape(end - start, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        low, high = torch.aminmax(groups, dim=-1)
+        step = (high - low) / 15.0
+        if half_scales:
+            low, step = low.half().float(), step.half().float()
+        inverse = torch.where(step == 0, torch.zeros_like(step), 1.0 / step)
+        chunk_codes = torch.round((groups - low[..., None]) * inverse[..., None]).clamp_(0, 15)
+        codes[start:end] = chunk_codes.to(torch.uint8).view(end - start, k)
+        scales[start:end], mins[start:end] = step, low
+    return Int4Weight(codes, scales, mins)
 
 
 
