@@ -64,9 +64,10 @@ def make_batch(llm: LLM, num_seqs: int, num_cached: int, num_new: int) -> Schedu
     if num_seqs * blocks_per_seq > engine.num_blocks:
         raise ValueError(f"the batch needs {num_seqs * blocks_per_seq} blocks, the cache has {engine.num_blocks}")
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    vocab_size = engine.model_config.vocab_size
     requests = []
     for i in range(num_seqs):
-        token_ids = [(7 * i + j) % 1000 + 1 for j in range(num_cached + num_new)]
+        token_ids = [(7 * i + j) % min(1000, vocab_size - 1) + 1 for j in range(num_cached + num_new)]
         requests.append(ScheduledRequest(f"p{i}", token_ids[num_cached:], num_cached,
                                          list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
                                          (SamplingInput(f"p{i}", params),)))
@@ -102,6 +103,23 @@ def profile_step(runner, batch: ScheduledBatch, top: int = 0) -> tuple[float, di
     return wall, per_category
 
 
+def compare_python_layers(runner, batch: ScheduledBatch, fused_decode, rounds: int, repeats: int) -> None:
+    """The decode step with the Python layers, then through ``decode_layers``, ``rounds`` times;
+    prints each round's medians and the ratio of the medians of all rounds."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for _ in range(rounds):
+            for enabled in (False, True):
+                fused_decode.enabled = enabled
+                times[enabled].append(time_step(runner, batch, repeats))
+    finally:
+        fused_decode.enabled = True
+    for enabled, label in ((False, "python layers"), (True, "decode_layers op")):
+        print(f"  {label:17}: " + " ".join(f"{t * 1000:.1f}" for t in times[enabled])
+              + f" ms/step, median {statistics.median(times[enabled]) * 1000:.1f}")
+    print(f"  decode_layers op / python layers: {statistics.median(times[False]) / statistics.median(times[True]):.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="auto")
@@ -117,6 +135,9 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=None,
                         help="tokens per prefill chunk (default min(512, 2048 // batch))")
     parser.add_argument("--top", type=int, default=0, help="also print the N ops (by shape) of most self time")
+    parser.add_argument("--compare-python-layers", type=int, default=0, metavar="ROUNDS",
+                        help="also time each decode step with the Python layers against the fused C++ decode op, "
+                             "alternated ROUNDS times (--repeats steps each)")
     parser.add_argument("--kinds", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
     args = parser.parse_args()
     if args.threads is not None:
@@ -127,8 +148,8 @@ def main() -> None:
 
     max_model_len = max(2048, args.context + 1, args.prefill_context + prefill_tokens(1))
     # The pool holds the largest step's blocks (16 tokens each).
-    num_blocks = max(b * -(-max(args.context + 1, args.prefill_context + prefill_tokens(b)) // 16)
-                     for b in args.batches)
+    num_blocks = max([b * -(-max(args.context + 1, args.prefill_context + prefill_tokens(b)) // 16)
+                      for b in args.batches] + [-(-max_model_len // 16)])
     model = {"model": args.config, "load_format": "dummy"} if args.config else {}
     llm = LLM(dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               max_model_len=max_model_len, max_num_seqs=max(64, *args.batches), block_size=16,
@@ -150,6 +171,9 @@ def main() -> None:
                                sorted(parts.items(), key=lambda kv: -kv[1]))
             print(f"{kind:7} batch {num_seqs:3} ({tokens:4} tokens): {median * 1000:8.1f} ms/step, "
                   f"{tokens / median:7.1f} tokens/s | {shares}")
+            fused_decode = llm.llm_engine.model.fused_decode
+            if kind == "decode" and args.compare_python_layers and fused_decode is not None:
+                compare_python_layers(runner, batch, fused_decode, args.compare_python_layers, args.repeats)
 
 
 if __name__ == "__main__":

@@ -190,28 +190,63 @@ def test_ops_fall_back_to_torch_without_the_extension(monkeypatch):
         ops.native_ops.cache_clear()
 
 
-@pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", [
+DECODE_OP_CONFIGURATIONS = [
     (torch.float32, None, torch.float32), (torch.float32, "int8", torch.float32),
     (torch.float32, "int4", torch.float32), (torch.float32, "int4", torch.bfloat16),
     (torch.bfloat16, None, torch.bfloat16), (torch.bfloat16, "int8", torch.bfloat16),
     (torch.bfloat16, "int4", torch.bfloat16), (torch.float32, "w8a8", torch.float32),
     (torch.bfloat16, "w8a8", torch.bfloat16), (torch.float32, "w4a8", torch.float32),
     (torch.bfloat16, "w4a8", torch.bfloat16), (torch.float32, None, torch.int8),
-    (torch.bfloat16, "w8a8", torch.int8)])
+    (torch.bfloat16, "w8a8", torch.int8)]
+
+
+@pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", DECODE_OP_CONFIGURATIONS)
 @pytest.mark.parametrize("attention_bias", [False, True])  # with a bias, w8a8's qkv has 4 tensors
 def test_decode_layer_op_equals_python_layers(dtype, quantization, kv_cache_dtype, attention_bias):
     """A decode step through the C++ ``decode_layers`` op (one call for all layers) gives bitwise the
     hidden states and KV writes of the Python layers: same ops, same order."""
-    assert ops.native_ops() is not None
     config = tiny_config(attention_bias=attention_bias)
     model = build_model(config, tiny_state_dict(config), dtype, quantization=quantization)
+    assert_decode_op_equals_python_layers(model, kv_cache_dtype)
+
+
+_FAMILIES = {"qwen3": {}, "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                            norm_topk_prob=True, mlp_only_layers=[0]),
+             "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
+
+
+@pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", DECODE_OP_CONFIGURATIONS)
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
+def test_decode_layer_op_equals_python_layers_with_qk_norms_and_experts(tmp_path, family, dtype, quantization,
+                                                                      kv_cache_dtype):
+    """The op's two variations of the layer, bitwise the Python layers too: Qwen3's per-head q/k
+    norms, and a MoE block (router, top-k, experts; Qwen3-MoE with a dense first layer, and
+    Mixtral's always renormalized top-k)."""
+    from transformers import AutoConfig
+
+    from pagedllm.models.dummy import load_dummy_checkpoint
+
+    AutoConfig.for_model(family, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
+                         **_FAMILIES[family]).to_json_file(tmp_path / "config.json")
+    config, weights = load_dummy_checkpoint(str(tmp_path / "config.json"), dtype)
+    # Weights wider than the dummy's 0.02, so that routing and norms see varied values.
+    state_dict = {name: weights[name] * (1 if name.endswith("norm.weight") else 50) for name in weights}
+    model = build_model(config, state_dict, dtype, quantization=quantization, calibration_token_ids=[1, 2, 3])
+    assert model.fused_decode is not None
+    assert_decode_op_equals_python_layers(model, kv_cache_dtype)
+
+
+def assert_decode_op_equals_python_layers(model, kv_cache_dtype) -> None:
+    assert ops.native_ops() is not None
+    head_dim = model.config.head_dim
     runner = ModelRunner(model, num_blocks=16, block_size=4, kv_cache_dtype=kv_cache_dtype)
     g = torch.Generator().manual_seed(0)
     # Three sequences with 5, 9 and 2 tokens cached (random K/V), each decoding one token.
     for cache in runner.kv_caches:
         for tensor in cache:
             if tensor.dtype == torch.int8:
-                tensor.copy_(ops.quantize_kv(torch.randn(*tensor.shape[:-1], config.head_dim, generator=g)))
+                tensor.copy_(ops.quantize_kv(torch.randn(*tensor.shape[:-1], head_dim, generator=g)))
             else:
                 tensor.copy_(torch.randn(tensor.shape, generator=g))
     tables = torch.tensor([[0, 1, 0], [2, 3, 4], [5, 0, 0]])
@@ -224,6 +259,7 @@ def test_decode_layer_op_equals_python_layers(dtype, quantization, kv_cache_dtyp
 
     def run(fused):
         model.fused_decode.enabled = fused
+        model.fused_decode.invalidate()
         hidden = model(ids, positions, runner.kv_caches, metadata)
         return hidden, [t.clone() for cache in runner.kv_caches for t in cache]
 

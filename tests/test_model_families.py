@@ -173,7 +173,7 @@ def test_qwen3_equals_transformers(tmp_path, native):
     config, state_dict = load_checkpoint(tmp_path)
     assert (config.architecture, config.qk_norm, config.head_dim, config.attention_bias) == ("qwen3", True, 32, False)
     model = build_model(config, state_dict, torch.float32)
-    assert type(model).__name__ == "Qwen3ForCausalLM" and model.fused_decode is None
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.fused_decode is not None
     assert_parity(hf, model, random_prompts(40, 3))
 
 

@@ -5,7 +5,9 @@ The op runs the standard Llama decoder layer (RMSNorm, fused QKV with optional b
 KV write, paged decode attention, o projection, RMSNorm fused with the residual add, gate/up,
 SiLU x up, down) with the same ops in the same order as the Python layers, so its results are
 bitwise theirs, without ~10 Python-level calls per layer (a third of a single-stream step
-before) or the Python loop over layers. A model whose decoder layers have that shape owns a
+before) or the Python loop over layers. Two variations run too: Qwen3's per-head q/k norms, and
+a sparse MoE block in place of the MLP (Qwen3-MoE, Mixtral: router, top-k and the experts as
+``layers/fused_moe.py`` runs them, ~60 Python-level calls per layer). A model whose decoder layers have that shape owns a
 ``FusedDecode`` over them and asks it first in ``forward``; every other step runs the Python
 layers.
 """
@@ -23,18 +25,31 @@ from pagedllm.layers.quantization import KERNEL_MAX_ROWS
 
 
 def layer_args(layer: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
-    """One layer's part of ``decode_layers``'s ``weights`` and ``list_sizes``: the two norm
-    weights, then the tensors of the qkv, o, gate_up and down projections (``kernel_args``),
-    and those four lists' lengths.
+    """One layer's part of ``decode_layers``'s ``weights`` and ``list_sizes``.
+
+    ``weights``: the input and post-attention norm weights (then ``self_attn.{q_norm, k_norm}``'s
+    where the layer has per-head q/k norms), the tensors of the qkv and o projections
+    (``kernel_args``), then those of the MLP's lists: ``gate_up_proj`` and ``down_proj``, or for
+    a ``SparseMoeBlock`` its router (``gate``) and each expert's two. ``list_sizes``: the number
+    of norms, the qkv and o list lengths, the number of MLP lists and their lengths.
 
     ``layer`` has the standard shape: ``input_layernorm``, ``self_attn.{qkv_proj, o_proj}``,
-    ``post_attention_layernorm``, ``mlp.{gate_up_proj, down_proj}``.
+    ``post_attention_layernorm``, ``mlp.{gate_up_proj, down_proj}`` or ``mlp.{gate, experts}``.
     """
     attn, mlp = layer.self_attn, layer.mlp
-    linears = [attn.qkv_proj.kernel_args(), attn.o_proj.kernel_args(), mlp.gate_up_proj.kernel_args(),
-               mlp.down_proj.kernel_args()]
-    weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    return weights + [t for linear in linears for t in linear], [len(linear) for linear in linears]
+    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    if attn.q_norm is not None:
+        norms += [attn.q_norm.weight, attn.k_norm.weight]
+    if hasattr(mlp, "experts"):
+        mlp_linears = [mlp.gate] + [linear for expert in mlp.experts for linear in (expert.gate_up_proj,
+                                                                                    expert.down_proj)]
+    else:
+        mlp_linears = [mlp.gate_up_proj, mlp.down_proj]
+    attn_lists = [attn.qkv_proj.kernel_args(), attn.o_proj.kernel_args()]
+    mlp_lists = [linear.kernel_args() for linear in mlp_linears]
+    weights = norms + [t for linear in attn_lists + mlp_lists for t in linear]
+    sizes = [len(norms), *(len(linear) for linear in attn_lists), len(mlp_lists), *(len(linear) for linear in mlp_lists)]
+    return weights, sizes
 
 
 class FusedDecode:
@@ -45,6 +60,7 @@ class FusedDecode:
         rotary: the model's ``RotaryEmbedding`` (``cos``/``sin`` tables).
         rms_norm_eps: the layers' RMSNorm epsilon.
         quantization: the model's method (``"int8"``, ``"int4"``, ``"w8a8"``, ...) or None.
+        top_k, normalize_top_k: the MoE blocks' routing (``SparseMoeBlock``); 0 without them.
 
     Attributes:
         enabled: False forces the Python layers (tests compare the two).
@@ -54,9 +70,10 @@ class FusedDecode:
     """
 
     def __init__(self, layers: nn.ModuleList, rotary, rms_norm_eps: float,
-                 quantization: Optional[str]) -> None:
+                 quantization: Optional[str], top_k: int = 0, normalize_top_k: bool = False) -> None:
         self.layers, self.rotary, self.rms_norm_eps = layers, rotary, rms_norm_eps
         self.quantization = quantization
+        self.top_k, self.normalize_top_k = top_k, normalize_top_k
         self.enabled = True
         self.layer_args: Optional[tuple[list[torch.Tensor], list[int]]] = None
 
@@ -88,7 +105,8 @@ class FusedDecode:
             self.layer_args = (weights, list_sizes)
         attn = self.layers[0].self_attn
         return native_ops().decode_layers(
-            hidden, *self.layer_args, self.rms_norm_eps, positions, self.rotary.cos, self.rotary.sin,
+            hidden, *self.layer_args, self.rms_norm_eps, self.top_k, self.normalize_top_k, positions,
+            self.rotary.cos, self.rotary.sin,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
             [key_cache for key_cache, _ in kv_caches], [value_cache for _, value_cache in kv_caches],
             metadata.slot_mapping, metadata.decode_block_tables, metadata.decode_context_lens)

@@ -297,11 +297,12 @@ class LlamaForCausalLM(nn.Module):
     Attributes:
         fused_decode: runs the decoder layers of a decode-only step as one C++ call
             (``layers/fused_decode.py``); ``fused_decode.enabled = False`` forces the Python layers.
-            None where the layers have another shape: q/k norms (Qwen3), a sliding window
-            (Mistral), partial rotary (Phi-4-mini), or a subclass's own layers
-            (``models/gemma3.py``); the op implements
-            the plain Llama layer only. Off under tensor parallelism: the op runs every layer
-            in one call, and the all-reduces must run between its attention and MLP halves.
+            None where the layers have another shape: a sliding window (Mistral), partial
+            rotary (Phi-4-mini), or a subclass's own layers (``models/gemma3.py``,
+            ``models/olmoe.py``); the op implements the Llama layer, with Qwen3's per-head q/k
+            norms and with a MoE block (``models/moe.py``). Off under tensor parallelism: the
+            op runs every layer in one call, and the all-reduces must run between its
+            attention and MLP halves.
         unquantized_weight_bytes: the weights' bytes before ``quantize_model`` (None: not quantized).
         lora_context: the ``LoRAContext`` of LoRA serving (``pagedllm/lora/layers.py: wrap_model``
             wraps the projections), None without. A step with adapter rows runs the Python
@@ -334,7 +335,7 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
         self.fused_decode: Optional[FusedDecode] = None
         self.lora_context = None
-        if not config.qk_norm and config.sliding_window is None and config.rotary_dim in (None, config.head_dim):
+        if config.sliding_window is None and config.rotary_dim in (None, config.head_dim):
             self.fused_decode = FusedDecode(self.layers, self.rotary, config.rms_norm_eps, quantization)
             self.fused_decode.enabled = tp.size == 1
 

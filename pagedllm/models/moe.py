@@ -7,7 +7,8 @@ whole projection and optional clipping), in whether the top-k probabilities are 
 (``norm_topk_prob``; Mixtral always), and in their checkpoint names
 (``MoEForCausalLM.moe_block_name``, ``expert_weight_names``).
 
-Decode runs the Python layers (the fused C++ decode op runs the dense Llama layer only).
+A decode step runs every layer in the fused C++ decode op (``layers/fused_decode.py``: the
+same router, top-k and experts in C++) where the attention is Llama's or Qwen3's.
 Quantization (``int8``, ``int4``, ``w8a8``, ``w4a8``) quantizes every expert's two projections
 like a dense layer's (the router stays float, as in vLLM; ``w8a8``'s calibration sees only the
 experts its text routes to, the others get no smoothing); checkpoints quantized by other tools
@@ -116,7 +117,8 @@ class MoEForCausalLM(LlamaForCausalLM):
             if is_moe:
                 layer.mlp = SparseMoeBlock(config)
         self.requires_grad_(False)
-        self.fused_decode = None
+        if self.fused_decode is not None:
+            self.fused_decode.top_k, self.fused_decode.normalize_top_k = config.num_experts_per_tok, config.norm_topk_prob
 
     def _mlp_linears(self, mlp: nn.Module, prefix: str) -> list[QuantizableLinear]:
         """A MoE block's experts, each quantized as a dense MLP (the router stays float)."""

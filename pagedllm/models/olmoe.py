@@ -46,3 +46,4 @@ class OlmoeForCausalLM(MoEForCausalLM):
         for layer in self.layers:
             layer.self_attn = OlmoeAttention(config, tp)
         self.requires_grad_(False)
+        self.fused_decode = None  # the op norms q/k per head; OLMoE norms them across heads, and clips

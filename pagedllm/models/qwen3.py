@@ -4,8 +4,8 @@ num_heads`` in the small models), and no Q/K/V biases.
 
 Hugging Face ``modeling_qwen3.py`` differs from ``modeling_llama.py`` in those only (and in
 sliding-window attention, which the released checkpoints leave off; ``models/hf_config.py``
-refuses it), so the model is ``LlamaForCausalLM`` with ``LlamaConfig.qk_norm``. The q/k norms
-put the layers outside the fused C++ decode op, so decode runs the Python layers.
+refuses it), so the model is ``LlamaForCausalLM`` with ``LlamaConfig.qk_norm``. The fused C++ decode
+op norms q and k per head as the Python layers do.
 """
 
 from __future__ import annotations
