@@ -342,7 +342,7 @@ def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype:
     on_layer_loaded = None
     if quantization is not None and not from_checkpoint and not get_quant_method(quantization).needs_calibration:
         # Quantize each decoder layer as soon as it is loaded, so that the float model is never
-        # whole: Qwen3-30B-A3B takes 61 GB in bf16 and 17 GB in int4.
+        # whole: Qwen3-30B-A3B takes 61 GB in bf16, 19.4 GB in w4a8.
         by_layer: dict[str, list] = {}
         for linear in model.quantizable_linears():
             by_layer.setdefault(linear.checkpoint_names[0].split(".")[2], []).append(linear)
