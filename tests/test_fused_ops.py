@@ -281,3 +281,28 @@ def test_argmax_logsumexp_matches_torch(native, vocab):
     argmax, lse = native.argmax_logsumexp(logits)
     assert torch.equal(argmax, logits.argmax(dim=-1))
     torch.testing.assert_close(lse, logits.logsumexp(dim=-1), rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("family,width", [("llama", dict(intermediate_size=48)),
+                                          ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2,
+                                                             moe_intermediate_size=48))])
+def test_int8_widths_the_kernels_do_not_take_decode_through_the_python_layers(tmp_path, family, width):
+    """int8 quantizes a projection of any width, and its Python ``forward`` multiplies an
+    ``in_features`` outside groups of 32 by the dequantized weight; the C++ kernel refuses one.
+    The fused decode op declines such a model (it raised on every decode step, so each request
+    ended after its first token with an error)."""
+    from transformers import AutoConfig
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.layers.fused_decode import kernels_take
+
+    AutoConfig.for_model(family, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, vocab_size=256, max_position_embeddings=256,
+                         **width).to_json_file(tmp_path / "config.json")
+    llm = LLM(model=str(tmp_path / "config.json"), load_format="dummy", quantization="int8", dtype="float32",
+              max_model_len=64, num_gpu_blocks_override=16, block_size=4)
+    model = llm.llm_engine.model
+    assert model.fused_decode is not None and not kernels_take(model.layers)
+    output, = llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)
+    assert output.outputs[0].finish_reason == "length" and len(output.outputs[0].token_ids) == 6

@@ -21,7 +21,7 @@ from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.custom_op import native_ops
-from pagedllm.layers.quantization import KERNEL_MAX_ROWS
+from pagedllm.layers.quantization import INT4_GROUP_SIZE, KERNEL_MAX_ROWS, Int4Linear, Int8Linear
 
 
 def layer_args(layer: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
@@ -36,20 +36,31 @@ def layer_args(layer: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
     ``layer`` has the standard shape: ``input_layernorm``, ``self_attn.{qkv_proj, o_proj}``,
     ``post_attention_layernorm``, ``mlp.{gate_up_proj, down_proj}`` or ``mlp.{gate, experts}``.
     """
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     if attn.q_norm is not None:
         norms += [attn.q_norm.weight, attn.k_norm.weight]
-    if hasattr(mlp, "experts"):
-        mlp_linears = [mlp.gate] + [linear for expert in mlp.experts for linear in (expert.gate_up_proj,
-                                                                                    expert.down_proj)]
-    else:
-        mlp_linears = [mlp.gate_up_proj, mlp.down_proj]
     attn_lists = [attn.qkv_proj.kernel_args(), attn.o_proj.kernel_args()]
-    mlp_lists = [linear.kernel_args() for linear in mlp_linears]
+    mlp_lists = [linear.kernel_args() for linear in _mlp_linears(layer.mlp)]
     weights = norms + [t for linear in attn_lists + mlp_lists for t in linear]
     sizes = [len(norms), *(len(linear) for linear in attn_lists), len(mlp_lists), *(len(linear) for linear in mlp_lists)]
     return weights, sizes
+
+
+def _mlp_linears(mlp: nn.Module) -> list[nn.Module]:
+    if hasattr(mlp, "experts"):
+        return [mlp.gate] + [linear for expert in mlp.experts for linear in (expert.gate_up_proj, expert.down_proj)]
+    return [mlp.gate_up_proj, mlp.down_proj]
+
+
+def kernels_take(layers: nn.ModuleList) -> bool:
+    """Whether the C++ kernels take every projection of ``layers``: ``int8``/``int4`` layers
+    need ``in_features`` in groups of 32 (their Python ``forward`` multiplies other widths by
+    the dequantized weight instead; ``w8a8``/``w4a8`` refuse such layers when built)."""
+    return all(linear.in_features % INT4_GROUP_SIZE == 0
+               for layer in layers
+               for linear in [layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_mlp_linears(layer.mlp)]
+               if isinstance(linear, (Int8Linear, Int4Linear)))
 
 
 class FusedDecode:
@@ -76,20 +87,24 @@ class FusedDecode:
         self.top_k, self.normalize_top_k = top_k, normalize_top_k
         self.enabled = True
         self.layer_args: Optional[tuple[list[torch.Tensor], list[int]]] = None
+        self._kernels_take: Optional[bool] = None  # kernels_take(layers), once per gathering
 
     def invalidate(self) -> None:
         """Forget the gathered weights: call after replacing or re-packing any layer's modules."""
         self.layer_args = None
+        self._kernels_take = None
 
     def applies(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
         """Whether this step can run through ``decode_layers``: the C++ ops are built, one token
-        per sequence, and for weight-only quantized weights a batch the quantized kernels take
-        (``KERNEL_MAX_ROWS``; ``w8a8`` and ``w4a8`` take any batch)."""
+        per sequence, and for weight-only quantized weights a batch and layer widths the quantized
+        kernels take (``KERNEL_MAX_ROWS``, ``kernels_take``; ``w8a8`` and ``w4a8`` take any batch)."""
         if not self.enabled or metadata.prefills or metadata.num_decode_tokens != num_tokens or not num_tokens:
             return False
         if self.quantization not in (None, "w8a8", "w4a8") and num_tokens > KERNEL_MAX_ROWS:
             return False
-        return native_ops() is not None
+        if self._kernels_take is None:
+            self._kernels_take = kernels_take(self.layers)
+        return self._kernels_take and native_ops() is not None
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
