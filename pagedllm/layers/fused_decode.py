@@ -7,9 +7,9 @@ SiLU x up, down) with the same ops in the same order as the Python layers, so it
 bitwise theirs, without ~10 Python-level calls per layer (a third of a single-stream step
 before) or the Python loop over layers. Two variations run too: Qwen3's per-head q/k norms, and
 a sparse MoE block in place of the MLP (Qwen3-MoE, Mixtral: router, top-k and the experts as
-``layers/fused_moe.py`` runs them, ~60 Python-level calls per layer). A model whose decoder layers have that shape owns a
-``FusedDecode`` over them and asks it first in ``forward``; every other step runs the Python
-layers.
+``layers/fused_moe.py`` runs them, ~60 Python-level calls per layer). A model whose decoder
+layers have that shape owns a ``FusedDecode`` over them and asks it first in ``forward``; every
+other step runs the Python layers.
 """
 
 from __future__ import annotations
@@ -71,20 +71,21 @@ class FusedDecode:
         rotary: the model's ``RotaryEmbedding`` (``cos``/``sin`` tables).
         rms_norm_eps: the layers' RMSNorm epsilon.
         quantization: the model's method (``"int8"``, ``"int4"``, ``"w8a8"``, ...) or None.
-        top_k, normalize_top_k: the MoE blocks' routing (``SparseMoeBlock``); 0 without them.
 
     Attributes:
         enabled: False forces the Python layers (tests compare the two).
+        top_k, normalize_top_k: the MoE blocks' routing (``SparseMoeBlock``; set by
+            ``MoEForCausalLM``); 0 and False without them.
         layer_args: ``(weights, list_sizes)`` of every layer, gathered on first use; None when
             not yet, or when the layers' modules or weights were replaced since
             (``invalidate``).
     """
 
     def __init__(self, layers: nn.ModuleList, rotary, rms_norm_eps: float,
-                 quantization: Optional[str], top_k: int = 0, normalize_top_k: bool = False) -> None:
+                 quantization: Optional[str]) -> None:
         self.layers, self.rotary, self.rms_norm_eps = layers, rotary, rms_norm_eps
         self.quantization = quantization
-        self.top_k, self.normalize_top_k = top_k, normalize_top_k
+        self.top_k, self.normalize_top_k = 0, False
         self.enabled = True
         self.layer_args: Optional[tuple[list[torch.Tensor], list[int]]] = None
         self._kernels_take: Optional[bool] = None  # kernels_take(layers), once per gathering
