@@ -77,6 +77,23 @@ def test_dummy_weights_are_drawn_in_the_compute_dtype_and_repeat():
     assert first.float().abs().max() < 0.0347 and first.float().std() > 0.015
 
 
+def test_a_build_draws_each_dummy_weight_once():
+    """Asking whether a name is there draws nothing; building the model reads every weight
+    exactly once (Mapping's own ``in`` reads the item: each weight was drawn twice)."""
+    draws: list[str] = []
+
+    class Counting(DummyStateDict):
+        def __getitem__(self, name):
+            draws.append(name)
+            return super().__getitem__(name)
+
+    weights = Counting(tiny_config(), torch.float32)
+    assert "model.layers.0.mlp.up_proj.weight" in weights and "model.layers.9.mlp.up_proj.weight" not in weights
+    assert draws == []
+    build_model(tiny_config(), weights, torch.float32, "int8")
+    assert sorted(draws) == sorted(weights.shapes)
+
+
 def test_weight_shapes_follow_the_family_switches():
     shapes = hf_weight_shapes(tiny_config(attention_bias=True, qk_norm=True, tie_word_embeddings=True))
     assert shapes["model.layers.0.self_attn.k_proj.bias"] == (32,)

@@ -134,6 +134,38 @@ def test_quantizing_in_row_chunks_changes_nothing(monkeypatch, dtype):
             assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_follows_the_recipe_element_by_element_and_leaves_the_weight(dtype):
+    """The in-place, chunked quantizers give, bitwise, the codes of their recipes written out
+    per element (int8: round(w / (absmax / 127)); int4: round((w - min) * (1 / step)) with
+    step = (max - min) / 15, as Q4_1), over groups of zeros, constant groups and ordinary ones,
+    and never write to the caller's weight (an fp32 weight's ``.float()`` is itself)."""
+    weight = torch.randn(6, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    weight[1] = 0
+    weight[2, :32] = 0.75  # a constant group: step 0, every code 0
+    original = weight.clone()
+    w = weight.double().float().view(6, 2, 32)
+
+    codes, scales = quantize_int8(weight, grouped=True)
+    expected_scales = w.abs().amax(-1) / 127.0
+    expected_scales = torch.where(expected_scales == 0, torch.ones_like(expected_scales), expected_scales)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(codes, torch.round(w / expected_scales[..., None]).clamp(-127, 127).to(torch.int8).view(6, 64))
+
+    for half in (False, True):
+        quantized = quantize_int4(weight, half_scales=half)
+        low, high = w.min(-1).values, w.max(-1).values
+        step = (high - low) / 15.0
+        if half:
+            low, step = low.half().float(), step.half().float()
+        inverse = torch.where(step == 0, torch.zeros_like(step), 1.0 / step)
+        expected = torch.round((w - low[..., None]) * inverse[..., None]).clamp(0, 15).to(torch.uint8)
+        assert torch.equal(quantized.codes, expected.view(6, 64))
+        assert torch.equal(quantized.scales, step) and torch.equal(quantized.mins, low)
+        assert (quantized.codes[2, :32] == 0).all() and quantized.codes.max() == 15
+    assert torch.equal(weight, original)
+
+
 def test_int4_rejects_in_features_not_divisible_by_group():
     with pytest.raises(ValueError, match="divisible by 32, got 48"):
         quantize_int4(torch.randn(8, 48))

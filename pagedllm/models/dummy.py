@@ -127,6 +127,11 @@ class DummyStateDict(Mapping):
         return torch.empty(shape, dtype=self.dtype).uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE,
                                                              generator=generator)
 
+    def __contains__(self, name: object) -> bool:
+        # Mapping's own __contains__ reads the item, which would draw the tensor (the loader
+        # asks `name in state_dict` before it reads a name: every weight drawn twice).
+        return name in self.shapes
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
 

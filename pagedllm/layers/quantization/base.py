@@ -198,15 +198,25 @@ def quantize_int8(weight: torch.Tensor, grouped: bool = False) -> tuple[torch.Te
     codes = torch.empty(n, k, dtype=torch.int8)
     scales = torch.empty((n, k // INT4_GROUP_SIZE) if grouped else (n,), dtype=torch.float32)
     for start, end in _row_chunks(n, k):
-        chunk = weight[start:end].float()
+        chunk = _float_rows(weight, start, end)  # rounded in place below
         if grouped:
             chunk = chunk.view(end - start, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
         chunk_scales = chunk.abs().amax(dim=-1) / 127.0
         chunk_scales = torch.where(chunk_scales == 0, torch.ones_like(chunk_scales), chunk_scales)
-        chunk_codes = torch.round(chunk / chunk_scales[..., None]).clamp_(-127, 127).to(torch.int8)
-        codes[start:end] = chunk_codes.view(end - start, k)
+        chunk.div_(chunk_scales[..., None]).round_().clamp_(-127, 127)
+        codes[start:end] = chunk.to(torch.int8).view(end - start, k)
         scales[start:end] = chunk_scales
     return codes, scales
+
+
+def _float_rows(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows ``start:end`` of ``weight`` as a new contiguous fp32 tensor, whatever ``weight``'s
+    layout: a float ``Linear`` stores its weight transposed, and ``.float()`` of a transposed
+    fp32 view is the view itself, of a bf16 one a transposed copy (every later op on it then
+    strided: measured 4x slower)."""
+    rows = torch.empty((end - start, weight.shape[1]), dtype=torch.float32)
+    rows.copy_(weight[start:end])
+    return rows
 
 
 def _row_chunks(n: int, k: int) -> list[tuple[int, int]]:
@@ -231,14 +241,17 @@ def quantize_int4(weight: torch.Tensor, half_scales: bool = False) -> Int4Weight
     scales = torch.empty(n, k // INT4_GROUP_SIZE, dtype=torch.float32)
     mins = torch.empty_like(scales)
     for start, end in _row_chunks(n, k):
-        groups = weight[start:end].float().reshape(end - start, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
-        low, high = torch.aminmax(groups, dim=-1)
+        # In place on one fp32 copy, amin and amax apart and the codes cast through int8:
+        # aminmax over a 32-wide last dimension and a float -> uint8 cast each take ~10x the
+        # time of the other ops (torch 2.13, Zen 4); the same codes, scales and mins.
+        groups = _float_rows(weight, start, end).view(end - start, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         step = (high - low) / 15.0
         if half_scales:
             low, step = low.half().float(), step.half().float()
         inverse = torch.where(step == 0, torch.zeros_like(step), 1.0 / step)
-        chunk_codes = torch.round((groups - low[..., None]) * inverse[..., None]).clamp_(0, 15)
-        codes[start:end] = chunk_codes.to(torch.uint8).view(end - start, k)
+        groups.sub_(low[..., None]).mul_(inverse[..., None]).round_().clamp_(0, 15)
+        codes[start:end] = groups.to(torch.int8).view(torch.uint8).view(end - start, k)
         scales[start:end], mins[start:end] = step, low
     return Int4Weight(codes, scales, mins)
 
