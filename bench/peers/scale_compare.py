@@ -17,8 +17,9 @@ decode ``--decode-tokens`` greedily; TTFT is the whole prompt's prefill plus the
 decode the rate after it. llama.cpp runs without flash attention (llama-cpp-python's default)
 unless ``--llama-flash-attn``.
 
-The bound: the read bandwidth (``bench/roofline.py``'s ``src.sum()`` over 512 MiB, measured in
-this process before the runs) over the bytes one decode step must read: pagedllm's decoder
+The bound: the read bandwidth (``bench/roofline.py``'s ``src.sum()`` over 512 MiB of huge pages, measured in
+this process before the runs and after each one, the highest so far: a cloud VM's rate moves by 2x within
+minutes) over the bytes one decode step must read: pagedllm's decoder
 layers, final norm and LM head as built (``roofline.model_fractions``' count) plus the
 context's KV; llama.cpp's GGUF tensors other than ``token_embd`` (a row lookup, unless the file
 has no ``output.weight`` and the embedding is the LM head too) plus an f16 KV cache of the
@@ -170,6 +171,8 @@ def main() -> int:
         for name, cmd in commands.items():
             r = run_one(cmd, envs_.get(name, dict(os.environ)),
                         workdir / "logs" / f"{stamp}_{index + 1}_scale_{Path(name).name}.log", 3600)
+            bandwidth = max(bandwidth, roofline.memory_bandwidth(512, 5)["read"])  # the highest seen so far
+            r["read_bandwidth"] = bandwidth
             # vllm's bytes per step: pagedllm's unquantized model of the same dtype, once run.
             same = runs.get(f"none:{args.vllm}") if name.startswith("vllm:") else None
             r["step_bytes"] = r.get("step_bytes") or llama_bytes.get(name) or (same[0]["step_bytes"] if same else 0)
@@ -179,7 +182,8 @@ def main() -> int:
             bound = (f"{r['fraction']:.0%} of the bound ({r['step_bytes'] / 2**20:.0f} MiB/token)" if r["step_bytes"]
                      else f"bound unknown (pass --pair none:{args.vllm} for vllm's bytes)")
             print(f"{shown:>40} #{index + 1}: TTFT {r['single_stream_ttft_s']:7.2f} s, decode "
-                  f"{r['single_stream_decode_tokens_per_s']:6.2f} tok/s = {bound}; start-up {r['startup_s']} s",
+                  f"{r['single_stream_decode_tokens_per_s']:6.2f} tok/s = {bound} at {bandwidth / 1e9:.1f} GB/s; "
+                  f"start-up {r['startup_s']} s",
                   flush=True)
     print()
 
