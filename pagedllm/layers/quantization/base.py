@@ -213,7 +213,7 @@ def _float_rows(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """Rows ``start:end`` of ``weight`` as a new contiguous fp32 tensor, whatever ``weight``'s
     layout: a float ``Linear`` stores its weight transposed, and ``.float()`` of a transposed
     fp32 view is the view itself, of a bf16 one a transposed copy (every later op on it then
-    strided: measured 4x slower)."""
+    strided: quantize_int4 took 2.2x the time within a build, Zen 4)."""
     rows = torch.empty((end - start, weight.shape[1]), dtype=torch.float32)
     rows.copy_(weight[start:end])
     return rows
