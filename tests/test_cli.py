@@ -224,3 +224,27 @@ def test_serve_flags_are_parsed_into_server_args():
 def test_server_args_verify_names_the_option_and_value(flags, message):
     with pytest.raises(ValueError, match=message):
         parse_serve_args(build_parser().parse_args(["serve", *flags]))
+
+
+def test_generate_takes_token_ids_for_a_model_without_a_tokenizer(capsys):
+    """``generate --prompt-token-ids`` runs a dummy model (no tokenizer) and prints the new
+    token ids: those of ``LLM.generate`` on the same prompt; text for such a model, both
+    prompts or neither, and a non-integer id are refused with exit code 2 and one line."""
+    from pathlib import Path
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.cli import main
+
+    config = str(Path(__file__).resolve().parent.parent / "bench" / "configs" / "tiny-llama.json")
+    model = ["--model", config, "--load-format", "dummy", "--max-tokens", "6"]
+    assert main(["generate", "--prompt-token-ids", "5, 9 17", *model]) == 0
+    printed = [int(t) for t in capsys.readouterr().out.split()]
+    llm = LLM(model=config, load_format="dummy")
+    (expected,) = llm.generate({"prompt_token_ids": [5, 9, 17]}, SamplingParams(temperature=0, max_tokens=6))
+    assert printed == list(expected.outputs[0].token_ids) and len(printed) == 6
+    for argv, message in ((["generate", "hello", *model], "give --prompt-token-ids"),
+                          (["generate", *model], "not both or neither"),
+                          (["generate", "hi", "--prompt-token-ids", "1", *model], "not both or neither"),
+                          (["generate", "--prompt-token-ids", "1,x", *model], "got '1,x'")):
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err

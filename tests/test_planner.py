@@ -331,6 +331,29 @@ def test_cli_plan_reports_a_bad_trace_line(tmp_path, capsys):
     assert f"error: {trace} line 2: output_tokens must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
+def test_cli_plan_calibrates_a_dummy_model_from_its_config(tmp_path, capsys):
+    """``plan --load-format dummy`` calibrates on random weights of a config.json (a model
+    whose weights are not here); a trace of text prompts then has no tokenizer, said so; and
+    without the option a config.json is refused as what it is, not as a broken GGUF."""
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parent.parent / "bench" / "configs" / "tiny-llama.json")
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(TWO_REQUESTS) + "\n")
+    cost = tmp_path / "cost.json"
+    common = ["plan", "--trace", str(trace), "--cost-model", str(cost), "--model", config, "--memory", "64KiB"]
+    assert cli.main([*common, "--load-format", "dummy"]) == 0, capsys.readouterr()
+    facts = CostModel.load(cost).facts
+    assert (facts.num_layers, facts.num_kv_heads, facts.head_dim, facts.vocab_size) == (2, 1, 64, 256)
+    assert "Recommended:" in capsys.readouterr().out
+    trace.write_text('{"arrival": 0, "prompt": "hello", "output_tokens": 4}\n')
+    assert cli.main([*common, "--load-format", "dummy"]) == 2
+    assert "has no tokenizer: give the trace's prompts as token ids" in capsys.readouterr().err
+    cost.unlink()
+    assert cli.main(common) == 2
+    assert "is not a GGUF file (a config.json alone has no weights" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- request log
 def test_server_request_log_is_a_trace_that_replays(tmp_path):
     """The async engine logs finished requests; the log loads as a trace, and a request that

@@ -22,22 +22,51 @@ def add_engine_args(parser: argparse.ArgumentParser, log_level: str = "WARNING")
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
 
+    token_ids = prompt_token_ids(args)
     llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     engine = llm.llm_engine
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sampling_seed)
-    prompt = {"prompt_token_ids": llm.encode_chat([{"role": "user", "content": args.prompt}])} \
-        if args.chat else args.prompt
+    if token_ids is None and engine.tokenizer is None:
+        raise ValueError("this model has no tokenizer (a dummy or a folder without one): give --prompt-token-ids")
+    if token_ids is not None:
+        prompt = {"prompt_token_ids": token_ids}
+    elif args.chat:
+        prompt = {"prompt_token_ids": llm.encode_chat([{"role": "user", "content": args.prompt}])}
+    else:
+        prompt = args.prompt
     engine.add_request("cli", prompt, params)
     printed = 0
     while engine.has_unfinished_requests():
         for output in engine.step():
-            text = output.outputs[0].text
-            sys.stdout.write(text[printed:])
+            # Without a tokenizer (a dummy model) there is no text: the new token ids instead.
+            done = output.outputs[0].text if engine.tokenizer is not None else output.outputs[0].token_ids
+            new = done[printed:]
+            sys.stdout.write(new if isinstance(new, str) else "".join(f"{t} " for t in new))
             sys.stdout.flush()
-            printed = len(text)
+            printed = len(done)
     sys.stdout.write("\n")
     return 0
+
+
+def prompt_token_ids(args: argparse.Namespace) -> Optional[list[int]]:
+    """``--prompt-token-ids`` as a list of ints (None when not given).
+
+    Raises:
+        ValueError: both or neither of the prompt text and ``--prompt-token-ids``, ``--chat``
+            with token ids, or an id that is not an integer.
+    """
+    if (args.prompt is None) == (args.prompt_token_ids is None):
+        raise ValueError("give either the prompt text or --prompt-token-ids, not both or neither")
+    if args.prompt_token_ids is None:
+        return None
+    if args.chat:
+        raise ValueError("--chat applies the chat template to text; it does not take --prompt-token-ids")
+    try:
+        return [int(t) for t in args.prompt_token_ids.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"--prompt-token-ids must be integers separated by commas or spaces, "
+                         f"got {args.prompt_token_ids!r}") from None
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
@@ -121,7 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
-    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("prompt", nargs="?", default=None, help="the prompt text")
+    gen.add_argument("--prompt-token-ids", default=None, metavar="IDS",
+                     help="the prompt as token ids separated by commas or spaces, instead of text (a model "
+                          "without a tokenizer, e.g. --load-format dummy; the output is then token ids too)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

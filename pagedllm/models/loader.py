@@ -138,9 +138,19 @@ def model_folder(path: Path) -> Path:
     conversions of the same file by older pagedllm versions once this version's is complete.
     ``Q4_1``/``Q4_K`` tensors are also kept as 4-bit codes in ``INT4_FILE`` for
     ``quantization="int4"`` (see ``load_prequantized_int4``).
+
+    Raises:
+        ValueError: a file that is not GGUF (a bare ``config.json`` holds no weights: it is
+            built with ``load_format="dummy"``).
     """
     if path.is_dir():
         return path
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            hint = (" (a config.json alone has no weights: load_format='dummy' / --load-format dummy builds it "
+                    "with random ones)") if path.suffix == ".json" else ""
+            raise ValueError(f"model file {str(path)!r} is not a GGUF file{hint}; a model is a .gguf file or a "
+                             "folder with config.json and *.safetensors")
     folder = cache_dir() / "models" / f"{path.stem}-{_content_key(path)}"
     if (folder / "complete").exists():
         _remove_older_conversions(folder, path.name)

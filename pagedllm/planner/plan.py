@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recalibrate", action="store_true", help="measure the cost model again even if saved")
     parser.add_argument("--model", default=None, help="the model whose step times are calibrated and whose "
                                                       "tokenizer reads text prompts (default: SmolLM2)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: calibrate on random weights of --model's config.json (as `serve`)")
     parser.add_argument("--dtype", default="auto", help="compute dtype of the calibration (as `serve`)")
     parser.add_argument("--quantization", default=None, help="quantization of the calibration (as `serve`)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (as `serve`)")
@@ -93,7 +95,7 @@ def calibrate_model(args: argparse.Namespace, log: Callable[[str], None]) -> Cos
 
     log("calibrating the cost model: loading the model and timing ~100 steps")
     common = dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, load_format=args.load_format)
     engine = LLMEngine(EngineArgs.from_kwargs(**common, kv_cache_memory_bytes=CALIBRATION_KV_BYTES,
                                               enable_prefix_caching=False, max_num_seqs=64))
     default_args = EngineArgs.from_kwargs(**common)
@@ -123,6 +125,9 @@ def main(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
 
     def encode(text: str) -> list[int]:
         if not tokenizer:
+            if args.load_format == "dummy":
+                raise ValueError("the trace has text prompts, and a --load-format dummy model has no tokenizer: "
+                                 "give the trace's prompts as token ids")
             from pagedllm.models.loader import load_tokenizer, resolve_model_path
             tokenizer.append(load_tokenizer(resolve_model_path(args.model)))
         return tokenizer[0].encode(text)
