@@ -178,6 +178,8 @@ JSON = {"Content-Type": "application/json"}
      "the request body is not valid JSON: it is nested too deeply"),
     ("POST", "/v1/completions", b'{"prompt": "\xff"}', JSON, 400, "BadRequestError",
      "the request body is not valid JSON: byte 12 is not valid UTF-8"),
+    ("POST", "/v1/completions", b'\xff\xfe{"prompt"', JSON, 400, "BadRequestError",  # a UTF-16 byte-order mark
+     "the request body is not valid JSON: it must be UTF-8, and its first bytes made it read as utf-16-le"),
     ("POST", "/v1/completions", b"[1]", JSON, 400, "BadRequestError",
      "the request body must be a JSON object (sent with Content-Type: application/json), got [1]"),
     ("POST", "/v1/completions", b'{"prompt": [1]}', {"Content-Type": "application/x-www-form-urlencoded"}, 400,

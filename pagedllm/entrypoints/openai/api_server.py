@@ -98,6 +98,10 @@ def _body_parse_error(cause: Optional[BaseException]) -> str:
     if isinstance(cause, RecursionError):
         return "the request body is not valid JSON: it is nested too deeply"
     if isinstance(cause, UnicodeDecodeError):
+        if cause.encoding.lower().replace("-", "") != "utf8":
+            # json.loads picks UTF-16/32 from a byte-order mark or zero bytes at the start.
+            return (f"the request body is not valid JSON: it must be UTF-8, and its first bytes made it read as "
+                    f"{cause.encoding}")
         return f"the request body is not valid JSON: byte {cause.start} is not valid UTF-8"
     return "the request body is not valid JSON: it could not be parsed"
 
