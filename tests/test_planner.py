@@ -331,6 +331,28 @@ def test_cli_plan_reports_a_bad_trace_line(tmp_path, capsys):
     assert f"error: {trace} line 2: output_tokens must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
+def test_without_memory_the_sweep_runs_from_the_smallest_budget_to_the_default(tmp_path, capsys):
+    """No ``--memory``: six budgets from the smallest that holds the longest request (12 tokens
+    = 3 blocks of 4 tokens of 64 bytes: 192 B) to the cost model's default (192 KiB), spaced
+    geometrically (x4); the recommendation is then far below the default: the smallest budget
+    that runs both requests at once (12 blocks; 3 would run them one after the other)."""
+    from pagedllm.planner.plan import default_budgets
+
+    trace = load_trace(TWO_REQUESTS, TINY_VOCAB)
+    model = one_second_per_step()
+    assert model.facts.bytes_per_block(4) == 64
+    assert default_budgets(192 * 1024, trace, model, [8, 4]) == [192, 768, 3072, 12288, 49152, 196608]
+    assert default_budgets(150, trace, model, [4]) == [150]
+    cost = tmp_path / "cost.json"
+    CostModel(model.coefficients, dataclasses.replace(FACTS, default_kv_cache_bytes=192 * 1024)).save(cost)
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(TWO_REQUESTS) + "\n")
+    assert cli.main(["plan", "--trace", str(path), "--cost-model", str(cost), "--max-model-len", "16",
+                     "--block-size", "4", "--prefix-caching", "on"]) == 0
+    out = capsys.readouterr().out
+    assert "Recommended: max_model_len=16, KV cache 768 B (12 blocks of 4 tokens)" in out, out
+
+
 def test_cli_plan_calibrates_a_dummy_model_from_its_config(tmp_path, capsys):
     """``plan --load-format dummy`` calibrates on random weights of a config.json (a model
     whose weights are not here); a trace of text prompts then has no tokenizer, said so; and

@@ -12,6 +12,7 @@ from pagedllm.planner.sweep import (SweepSpace, build_configs, default_max_model
 from pagedllm.planner.trace import load_trace
 
 CALIBRATION_KV_BYTES = 256 * 2**20  # enough for the profile's 48 x 400-token batch, small on any machine
+DEFAULT_BUDGETS = 6  # KV budgets swept without --memory (default_budgets)
 
 
 def _list(convert: Callable[[str], object], name: str) -> Callable[[str], list]:
@@ -47,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, type=Path,
                         help="JSONL trace, one request per line (the format of `pagedllm serve --request-log`)")
     parser.add_argument("--memory", type=_list(parse_size, "--memory"), default=None,
-                        help="KV cache budgets to try, e.g. 1GiB,4GiB (default: what the engine would take "
-                             "on the calibrating machine)")
+                        help="KV cache budgets to try, e.g. 1GiB,4GiB (default: 6 from the smallest that holds "
+                             "the trace's longest request to what the engine would take on the calibrating "
+                             "machine, spaced geometrically)")
     parser.add_argument("--max-model-len", type=_list(_positive_int, "--max-model-len"), default=None,
                         help="values to try (default: the engine's default and the smallest power of two "
                              "holding 99%% of the trace's requests)")
@@ -84,6 +86,21 @@ def default_cost_model_path(args: argparse.Namespace) -> Path:
     name = Path(args.model).stem if args.model else "default"
     key = f"{name}-{args.dtype}-{args.quantization or 'none'}-{args.kv_cache_dtype}-{torch.get_num_threads()}t"
     return cache_dir() / "planner" / f"cost-model-{key}.json"
+
+
+def default_budgets(default_bytes: int, trace, cost_model: CostModel, block_sizes: list[int]) -> list[int]:
+    """The KV budgets (bytes) swept without ``--memory``: ``DEFAULT_BUDGETS`` spaced
+    geometrically from the smallest that holds the trace's longest request (prompt + output
+    tokens, in the smallest block size swept) up to ``default_bytes``, the engine's default on
+    the calibrating machine; the default alone if it is not above that smallest one. With the
+    default alone, a trace that needs a few blocks was recommended the whole 20 GiB default."""
+    block_size = min(block_sizes)
+    longest = max(request.num_tokens for request in trace)
+    smallest = -(-longest // block_size) * cost_model.facts.bytes_per_block(block_size)
+    if default_bytes <= smallest:
+        return [default_bytes]
+    ratio = (default_bytes / smallest) ** (1 / (DEFAULT_BUDGETS - 1))
+    return sorted({round(smallest * ratio**i) for i in range(DEFAULT_BUDGETS - 1)} | {default_bytes})
 
 
 def calibrate_model(args: argparse.Namespace, log: Callable[[str], None]) -> CostModel:
@@ -133,9 +150,11 @@ def main(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         return tokenizer[0].encode(text)
 
     trace = load_trace(args.trace, facts.vocab_size, encode)
-    budgets = args.memory or ([facts.default_kv_cache_bytes] if facts.default_kv_cache_bytes else None)
+    budgets = args.memory
     if not budgets:
-        raise ValueError("the cost model has no default KV budget: give --memory")
+        if not facts.default_kv_cache_bytes:
+            raise ValueError("the cost model has no default KV budget: give --memory")
+        budgets = default_budgets(facts.default_kv_cache_bytes, trace, cost_model, args.block_size)
     space = SweepSpace(kv_cache_bytes=budgets, max_model_lens=args.max_model_len or default_max_model_lens(trace),
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        block_sizes=args.block_size, prefix_caching=list(dict.fromkeys(args.prefix_caching)))
