@@ -22,6 +22,7 @@ import torch
 
 from pagedllm.huge_pages import huge_page_zeros
 from pagedllm.layers.ops import native_ops
+from pagedllm.platform import keep_freed_memory_mapped
 
 BLOCK_SIZE = 16
 
@@ -54,6 +55,7 @@ def main() -> None:
     ops = native_ops()
     if ops is None:
         raise SystemExit("the C++ ops did not build")
+    keep_freed_memory_mapped()  # malloc as in the engine: a call's scratch reused, not unmapped
     torch.manual_seed(0)
     print(f"{args.heads} query heads, {args.kv_heads} KV heads of {args.head_dim}, bf16, batch 1, "
           f"{torch.get_num_threads()} threads")

@@ -14,7 +14,9 @@
 3. The model of ``--config`` (``load_format="dummy"``, see bench/scale.py), one request alone:
    - decode at ``--context`` tokens: the bound is the bytes one step reads (the decoder
      layers' and LM head's weights, as built: quantized ones at their size; plus the KV of the
-     context) over the read bandwidth; reported as measured rate / bound rate;
+     context) over the read bandwidth; reported as measured rate / bound rate, against the
+     fresh buffers' best read and against a read of the step's own weight storages where they
+     lie (``weights_read_bandwidth``);
    - prefill of ``--context`` tokens: its FLOPs (2 per weight of the decoder projections per
      token, attention's ``4 * heads * head_dim`` per token pair of the causal half, the LM head
      once) over the time to first token, as a fraction of the GEMM peak of the compute dtype
@@ -70,6 +72,25 @@ def gemm_peaks(m: int, n: int, k: int, repeats: int) -> dict:
     return peaks
 
 
+def weights_read_bandwidth(module: torch.nn.Module, repeats: int) -> float:
+    """Bytes/s of ``sum`` over the very storages ``module``'s parameters and buffers lie in (each
+    once, read as float32 with denormals flushed), best of ``repeats``: the read rate of the
+    bytes a decode step reads, where they lie. A fresh buffer can land on faster memory than
+    weights allocated minutes earlier (Zen 4 VM, 2026-12-07: a 1 GiB buffer read 33-38 GB/s
+    while buffers allocated after it read 48-55 in the same seconds)."""
+    storages = {}
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(storage)
+    views = [raw[: raw.numel() // 4 * 4].view(torch.float32) for raw in storages.values()]
+    torch.set_flush_denormal(True)  # random bits read as float32: no slow denormal adds
+    try:
+        seconds = _best_time(lambda: [view.sum() for view in views], repeats)
+    finally:
+        torch.set_flush_denormal(False)  # torch's default; the engine never sets it
+    return sum(view.nbytes for view in views) / seconds
+
+
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights one decode step reads: the decoder layers', final norm's and LM
     head's as built (the token embedding is a row lookup). One ``weight_bytes`` over the three,
@@ -88,8 +109,11 @@ def model_fractions(args: argparse.Namespace, bandwidth: float, peaks: dict) -> 
     engine = llm.llm_engine
     model, config = engine.model, engine.model_config
     scale.single_stream(llm, [1] * 64, 4)  # warm-up
+    step_weights = torch.nn.ModuleList([model.layers, model.norm, model.lm_head])
     reads = [bandwidth, memory_bandwidth(args.buffer_mib, args.repeats)["read"]]
+    own_reads = [weights_read_bandwidth(step_weights, args.repeats)]
     measured = scale.single_stream(llm, scale._prompt(args.context, config.vocab_size, 0), args.decode_tokens)
+    own_reads.append(weights_read_bandwidth(step_weights, args.repeats))
     reads.append(memory_bandwidth(args.buffer_mib, args.repeats)["read"])
     bandwidth = max(reads)
     step_bytes = decode_weight_bytes(model) + args.context * engine.bytes_per_block // scale.BLOCK_SIZE
@@ -101,7 +125,9 @@ def model_fractions(args: argparse.Namespace, bandwidth: float, peaks: dict) -> 
                      + 2 * config.vocab_size * config.hidden_size)
     compute = "int8" if args.quantization in ("w8a8", "w4a8") else str(model.dtype).replace("torch.", "")
     prefill_rate = prefill_flops / measured["ttft_s"]
-    return {"reads": reads, "step_bytes": step_bytes, "decode_tokens_per_s": measured["decode_tokens_per_s"],
+    own_bound_rate = max(own_reads) / step_bytes
+    return {"reads": reads, "own_reads": own_reads, "step_bytes": step_bytes,
+            "decode_own_fraction": measured["decode_tokens_per_s"] / own_bound_rate, "decode_tokens_per_s": measured["decode_tokens_per_s"],
             "decode_bound_tokens_per_s": bound_rate,
             "decode_fraction": measured["decode_tokens_per_s"] / bound_rate,
             "prefill_flops": prefill_flops, "prefill_flops_per_s": prefill_rate, "prefill_peak": compute,
@@ -128,6 +154,8 @@ def main() -> None:
           f"{result['decode_bound_tokens_per_s']:.2f} ({result['step_bytes'] / 2**20:.0f} MiB read per token): "
           f"{result['decode_fraction']:.0%} (read bandwidth before, just before and just after the request: "
           + ", ".join(f"{read / 1e9:.1f}" for read in result["reads"]) + " GB/s; the bound takes the highest)")
+    print(f"  the step's own weights, summed where they lie, read {result['own_reads'][0] / 1e9:.1f} GB/s before "
+          f"and {result['own_reads'][1] / 1e9:.1f} after: decode at {result['decode_own_fraction']:.0%} of that bound")
     print(f"prefill of {args.context} tokens: {result['prefill_flops_per_s'] / 1e9:.0f} GFLOP/s, "
           f"{result['prefill_fraction']:.0%} of the {result['prefill_peak']} GEMM peak")
 

@@ -212,6 +212,44 @@ def test_decode_kernel_work_splits_agree_bitwise(kernel, num_heads, num_kv_heads
         torch.testing.assert_close(batched.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (32, 32, 64), (4, 4, 128)])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float32, torch.bfloat16), (torch.float32, torch.int8),
+                                    (torch.bfloat16, torch.int8)])
+@pytest.mark.parametrize("window", [0, 700])
+def test_decode_kernel_long_context_split_by_threads_bitwise(kernel, num_heads, num_kv_heads, head_dim, dtypes,
+                                                              window):
+    """A few sequences of 385-1,024 tokens are split by context between threads where a KV head
+    has one query head (runs of whole 128-token chunks, each chunk's weighted sum folded in
+    order), one thread walks them whole: bitwise the same output at 1, 2 and 3 threads and alone
+    or batched, and the reference's."""
+    query_dtype, cache_dtype = dtypes
+    key_cache, value_cache, g = random_caches(num_kv_heads, cache_dtype, seed=head_dim + num_heads, head_dim=head_dim)
+    context_lens = torch.tensor([385, 1024, 700, 513])  # chunk boundaries at 128, 256, ... from the window's start
+    block_tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=g) for _ in range(len(context_lens))])
+    query = torch.randn(len(context_lens), num_heads, head_dim, generator=g).to(query_dtype)
+    scale = head_dim ** -0.5
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                                      scale, window))
+        torch.set_num_threads(2)
+        alone = [kernel.paged_decode_attention(query[i:i + 1], key_cache, value_cache, block_tables[i:i + 1],
+                                               context_lens[i:i + 1], scale, window) for i in range(len(context_lens))]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0], torch.cat(alone))
+    if query_dtype == torch.float32:
+        expected = torch.cat([dense_reference(query[i:i + 1], key_cache, value_cache, block_tables[i].tolist(),
+                                              int(context_lens[i]), [int(context_lens[i]) - 1], scale,
+                                              window or None) for i in range(len(context_lens))])
+        torch.testing.assert_close(outs[0].double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_kernel_reads_strided_query(kernel):
     """The model passes q as a view into the fused QKV projection (row stride > H * D)."""
     query, key_cache, value_cache, block_tables, context_lens = random_decode_batch(5, 4, 2, torch.float32, 3)
@@ -520,11 +558,11 @@ def test_prefill_kernel_matches_reference_and_sdpa(kernel, monkeypatch, num_head
                                                              else dict(rtol=2 ** -6, atol=2e-2)))
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (4, 1, 256)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (4, 1, 256), (4, 4, 128)])
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                     (torch.float32, torch.bfloat16), (torch.float32, torch.int8),
                                     (torch.bfloat16, torch.int8)])
-@pytest.mark.parametrize("num_cached,q_len", [(0, 37), (23, 40), (5, 130)])
+@pytest.mark.parametrize("num_cached,q_len", [(0, 37), (23, 40), (5, 130), (400, 150)])
 def test_prefill_kernel_rows_equal_decode(kernel, num_heads, num_kv_heads, head_dim, dtypes, num_cached, q_len):
     """Each row of a prefill chunk is bitwise what the decode kernel gives that token as the last
     of its sequence: the same score order, softmax and weighted-sum order. This is what keeps
@@ -543,13 +581,20 @@ def test_prefill_kernel_rows_equal_decode(kernel, num_heads, num_kv_heads, head_
     write_kv_cache(key, value, key_cache, value_cache, slots)
     scale = head_dim ** -0.5
     out = kernel.paged_prefill_attention(query, key_cache, value_cache, table, context_len, scale)
-    # Every row as its own decode sequence; both work splits of the decode kernel (by KV head
-    # for a few sequences, by sequence for many) are bitwise the same.
+    # Every row as its own decode sequence; every work split of the decode kernel (by KV head
+    # or by context for a few sequences, by sequence for many) is bitwise the same.
+    # Three rows of 401+ tokens on 2 threads without grouped queries are split by context (runs
+    # of whole 128-token chunks).
     lens = torch.arange(num_cached + 1, context_len + 1)
-    for rows in (slice(0, 3), slice(0, q_len)):
-        decoded = kernel.paged_decode_attention(query[rows], key_cache, value_cache,
-                                                table.repeat(q_len, 1)[rows], lens[rows], scale, 0)
-        assert torch.equal(out[rows], decoded)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (slice(0, 3), slice(0, q_len)):
+            decoded = kernel.paged_decode_attention(query[rows], key_cache, value_cache,
+                                                    table.repeat(q_len, 1)[rows], lens[rows], scale, 0)
+            assert torch.equal(out[rows], decoded)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_prefill_kernel_rejects_bad_tables_and_lengths(kernel):

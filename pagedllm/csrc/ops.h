@@ -23,6 +23,13 @@ namespace pagedllm {
 // The caches are then [num_blocks, block_size, num_kv_heads, head_dim + kKvScaleBytes] int8.
 constexpr int64_t kKvScaleBytes = 4;
 
+// Both attention kernels take the weighted sum of V kFoldTokens positions at a time (counted
+// from the first attended one): each chunk's sum from zero in position order, then added to the
+// total in chunk order. A long context can so be split between threads by chunk
+// (paged_attention.cpp, split_context_attention) and still give bitwise what one thread walking
+// it gives, and what the prefill kernel gives the same token's row (prefill_attention.cpp).
+constexpr int64_t kFoldTokens = 128;
+
 // Elements a cache row of element type C holds beyond its head_dim values.
 template <typename C>
 constexpr int64_t kv_row_extra() { return std::is_same_v<C, int8_t> ? kKvScaleBytes : 0; }

@@ -31,9 +31,12 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -83,6 +86,9 @@ inline void prefetch_row(const T* row, int64_t row_bytes) {
 // Sequences per thread from which a decode batch is split by sequence, not by KV head.
 constexpr int64_t kSeqsPerThread = 4;
 
+// Chunks per thread each sequence needs before a batch of few sequences is split by context.
+constexpr int64_t kMinChunksPerThread = 2;
+
 #if defined(__AVX512F__)
 using pagedllm_vec::exp512;
 using pagedllm_vec::load16;
@@ -95,11 +101,18 @@ using pagedllm_vec::softmax_rows;
 // faster than the scalar path on a cold cache (bench/README.md), ~1.8x faster again after the
 // sixth round's changes (row-spread prefetch, accumulators kept in registers per block).
 //
-// Two work splits share these pieces (bitwise the same results: every score, sum and
-// accumulation happens in the same order):
+// Three work splits share these pieces (bitwise the same results: every score, sum and
+// accumulation happens in the same order, the weighted sum folded by kFoldTokens chunks, ops.h):
 //   - one item per (sequence, KV head) when there are few sequences (a batch-1 decode still
 //     uses both cores): an item reads its head's part of every token row, head_dim elements
 //     of a num_kv_heads * head_dim row;
+//   - few sequences of kMinChunksPerThread chunks per thread or more, one query head per KV
+//     head: each thread walks a run of every sequence's blocks for all KV heads
+//     (split_context_attention). With SmolLM2-1.7B's 32 KV heads of 64 (an item per head reads
+//     128 B of each 4 KiB row) 1.3-1.5x faster at 4k tokens, alike at 1k and 16k; with
+//     Llama-3-8B's 8 KV heads of 128 and 4 query heads each, 1.2-1.25x slower at 4k and 32k,
+//     so grouped queries keep an item per KV head (bench/README.md, "Decode attention split by
+//     context");
 //   - one item per sequence otherwise: the item walks each block once for all KV heads, so
 //     memory is read in whole contiguous blocks (a third of every row at a time measured 1.4x
 //     slower at batch 64 with SmolLM2's 3 KV heads and blocks in allocation order; alike with
@@ -333,44 +346,54 @@ inline void with_group(int64_t left, F&& f) {
   }
 }
 
-// Attention of one sequence's query heads kv_head_begin * group .. kv_head_end * group - 1 over
-// tokens start .. context_len - 1. q: the sequence's first query head; k/v_base: the cache's
-// first element (block 0, KV head 0); scores: scratch of (heads) * (context_len - start)
-// floats, acc of (heads) * kHeadDim floats; out: the sequence's output row [num_heads, kHeadDim].
-// An int8 cache also takes scratch for the rounded queries: q8 of (heads) * (kHeadDim + 4)
-// bytes and q_offset of (heads) int32.
-template <typename T, typename C, int kHeadDim>
-void attend_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* v_base, const int64_t* table,
-                   int64_t start, int64_t context_len, int64_t block_size, int64_t block_stride,
-                   int64_t token_stride, int64_t group, int64_t kv_head_begin, int64_t kv_head_end, float scale,
-                   float* scores, float* acc, float* inv_sum, int8_t* q8, int32_t* q_offset, T* out) {
-  const int64_t n = context_len - start;
-  const int64_t first_head = kv_head_begin * group, heads = (kv_head_end - kv_head_begin) * group;
-  constexpr int64_t kQ8Row = kHeadDim + kKvScaleBytes;
-  if constexpr (std::is_same_v<C, int8_t>) {
+// Pieces of one sequence's attention, for the query heads kv_head_begin * group ..
+// kv_head_end * group - 1 (a KV head range). q: the sequence's first query head; k/v_base: the
+// cache's first element (block 0, KV head 0); start: the first attended position (0, or the
+// sliding window's start); scores: one row of n = context_len - start per query head of the
+// range, indexed by position - start.
+struct HeadRange {
+  int64_t group, kv_head_begin, kv_head_end;
+  int64_t first_head() const { return kv_head_begin * group; }
+  int64_t heads() const { return (kv_head_end - kv_head_begin) * group; }
+};
+
+// Over an int8 cache each query head is rounded as a cache row: q8 gets (heads) rows of
+// kHeadDim + 4 bytes (quantize_kv_row of q * scale), q_offset kKeyOffset times each row's code sum.
+template <typename T, int kHeadDim>
+void round_queries(const T* q, int64_t q_head_stride, HeadRange r, float scale, int8_t* q8, int32_t* q_offset) {
 #if defined(__AVX512BW__)
-    for (int64_t head = 0; head < heads; ++head) {
-      const T* src = q + (first_head + head) * q_head_stride;
-      float x[kHeadDim];
-      for (int d = 0; d < kHeadDim; ++d) x[d] = to_float(src[d]) * scale;
-      int8_t* row = q8 + head * kQ8Row;
-      quantize_kv_row(row, x, kHeadDim);
-      int32_t sum = 0;
-      for (int d = 0; d < kHeadDim; ++d) sum += row[d];
-      q_offset[head] = kKeyOffset * sum;
-    }
-#else
-    static_assert(!std::is_same_v<C, int8_t>, "an int8 cache takes the vector path only with AVX512BW");
-#endif
+  constexpr int64_t kQ8Row = kHeadDim + kKvScaleBytes;
+  for (int64_t head = 0; head < r.heads(); ++head) {
+    const T* src = q + (r.first_head() + head) * q_head_stride;
+    float x[kHeadDim];
+    for (int d = 0; d < kHeadDim; ++d) x[d] = to_float(src[d]) * scale;
+    int8_t* row = q8 + head * kQ8Row;
+    quantize_kv_row(row, x, kHeadDim);
+    int32_t sum = 0;
+    for (int d = 0; d < kHeadDim; ++d) sum += row[d];
+    q_offset[head] = kKeyOffset * sum;
   }
+#else
+  (void)q, (void)q_head_stride, (void)r, (void)scale, (void)q8, (void)q_offset;
+#endif
+}
+
+// The scores of positions begin .. end - 1 (scores[head * n + position - start]), every KV head
+// of the range read block by block (an item of one KV head reads its part of each row; of them
+// all, whole blocks). The first KV head's rows prefetch the next block's span of the range.
+template <typename T, typename C, int kHeadDim>
+void scores_range(const T* q, int64_t q_head_stride, const C* k_base, const int64_t* table, int64_t start,
+                  int64_t begin, int64_t end, int64_t block_size, int64_t block_stride, int64_t token_stride,
+                  HeadRange r, float scale, const int8_t* q8, const int32_t* q_offset, float* scores, int64_t n) {
   constexpr int64_t kRow = kHeadDim + kv_row_extra<C>();  // cache elements per KV head row
-  // The first KV head's rows prefetch the next block's whole span of the walked heads.
-  const int64_t span_bytes = (kv_head_end - kv_head_begin) * kRow * static_cast<int64_t>(sizeof(C));
+  constexpr int64_t kQ8Row = kHeadDim + kKvScaleBytes;
+  const int64_t span_bytes = (r.kv_head_end - r.kv_head_begin) * kRow * static_cast<int64_t>(sizeof(C));
   const int64_t head_bytes = kRow * static_cast<int64_t>(sizeof(C));
-  const int64_t offset = kv_head_begin * kRow;
-  for_each_cached_block(k_base + offset, table, start, context_len, block_size, block_stride, token_stride,
+  const int64_t group = r.group;
+  for_each_cached_block(k_base + r.kv_head_begin * kRow, table, begin, end, block_size, block_stride, token_stride,
                         [&](const C* block, const C* next, int64_t first, int64_t count) {
-    for (int64_t h = 0; h < kv_head_end - kv_head_begin; ++h) {
+    first += begin - start;
+    for (int64_t h = 0; h < r.kv_head_end - r.kv_head_begin; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
         const int64_t head = h * group + g0;
         const int64_t prefetch = head == 0 ? span_bytes : (g0 == 0 ? head_bytes : 0);
@@ -385,30 +408,71 @@ void attend_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* 
 #endif
           if constexpr (!std::is_same_v<C, int8_t>) {
             group_scores<T, C, kHeadDim, decltype(size)::value>(
-                q + (first_head + head) * q_head_stride, q_head_stride, scale, block + h * kRow, next + h * kRow,
+                q + (r.first_head() + head) * q_head_stride, q_head_stride, scale, block + h * kRow, next + h * kRow,
                 count, token_stride, prefetch, scores + head * n + first, n);
           }
         });
       }
     }
   });
-  softmax_rows(scores, n, heads, inv_sum);
-  for (int64_t i = 0; i < heads * kHeadDim; ++i) acc[i] = 0.f;
-  for_each_cached_block(v_base + offset, table, start, context_len, block_size, block_stride, token_stride,
+}
+
+// acc[head * kHeadDim ..] += the softmax weights (scores) of positions begin .. end - 1 times
+// their V rows, in position order (a bf16 cache's accumulators in group_accumulate's order).
+template <typename C, int kHeadDim>
+void accumulate_range(const C* v_base, const int64_t* table, int64_t start, int64_t begin, int64_t end,
+                      int64_t block_size, int64_t block_stride, int64_t token_stride, HeadRange r,
+                      const float* weights, int64_t n, float* acc) {
+  constexpr int64_t kRow = kHeadDim + kv_row_extra<C>();
+  const int64_t span_bytes = (r.kv_head_end - r.kv_head_begin) * kRow * static_cast<int64_t>(sizeof(C));
+  const int64_t head_bytes = kRow * static_cast<int64_t>(sizeof(C));
+  const int64_t group = r.group;
+  for_each_cached_block(v_base + r.kv_head_begin * kRow, table, begin, end, block_size, block_stride, token_stride,
                         [&](const C* block, const C* next, int64_t first, int64_t count) {
-    for (int64_t h = 0; h < kv_head_end - kv_head_begin; ++h) {
+    first += begin - start;
+    for (int64_t h = 0; h < r.kv_head_end - r.kv_head_begin; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
         const int64_t head = h * group + g0;
         with_group(group - g0, [&](auto size) {
           group_accumulate<C, kHeadDim, decltype(size)::value>(
-              scores + head * n + first, n, block + h * kRow, next + h * kRow, count, token_stride,
+              weights + head * n + first, n, block + h * kRow, next + h * kRow, count, token_stride,
               head == 0 ? span_bytes : (g0 == 0 ? head_bytes : 0), acc + head * kHeadDim);
         });
       }
     }
   });
-  for (int64_t head = 0; head < heads; ++head) {
-    T* o = out + (first_head + head) * kHeadDim;
+}
+
+// acc[i] += part[i] for i < size (the fold of a kFoldTokens chunk's weighted sum into the total).
+inline void fold_into(float* acc, const float* part, int64_t size) {
+  for (int64_t i = 0; i < size; i += 16) _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), _mm512_loadu_ps(part + i)));
+}
+
+// The weighted sum of positions begin .. end - 1 into acc (heads * kHeadDim floats), kFoldTokens
+// positions (counted from start) at a time: the first chunk's sum accumulates in acc (zeroed
+// here), each later chunk's in part (zeroed per chunk), then is added to acc.
+template <typename C, int kHeadDim>
+void weighted_sum(const C* v_base, const int64_t* table, int64_t start, int64_t begin, int64_t end,
+                  int64_t block_size, int64_t block_stride, int64_t token_stride, HeadRange r, const float* weights,
+                  int64_t n, float* acc, float* part) {
+  const int64_t size = r.heads() * kHeadDim;
+  std::fill(acc, acc + size, 0.f);
+  for (int64_t c = begin; c < end; c += kFoldTokens) {
+    const int64_t c_end = std::min(end, c + kFoldTokens);
+    float* into = c == begin ? acc : part;
+    if (c != begin) std::fill(part, part + size, 0.f);
+    accumulate_range<C, kHeadDim>(v_base, table, start, c, c_end, block_size, block_stride, token_stride, r, weights,
+                                  n, into);
+    if (c != begin) fold_into(acc, part, size);
+  }
+}
+
+// out[head] = acc[head] * inv_sum[head] for the range's heads (out: the sequence's output row
+// [num_heads, kHeadDim]; a bf16 cache's accumulators back in order by interleave_pairs).
+template <typename T, typename C, int kHeadDim>
+void store_heads(const float* acc, const float* inv_sum, HeadRange r, T* out) {
+  for (int64_t head = 0; head < r.heads(); ++head) {
+    T* o = out + (r.first_head() + head) * kHeadDim;
     const __m512 inv = _mm512_set1_ps(inv_sum[head]);
     const float* a = acc + head * kHeadDim;
     if constexpr (std::is_same_v<C, c10::BFloat16> && kHeadDim % 32 == 0) {
@@ -420,6 +484,112 @@ void attend_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* 
       }
     } else {
       for (int c = 0; c < kHeadDim / 16; ++c) pagedllm_vec::store16(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), inv));
+    }
+  }
+}
+
+// One sequence's attention for a KV head range, in one thread: scores of every position,
+// softmax_rows, the weighted sum in kFoldTokens chunks, the output. scores: (heads) * n floats;
+// acc and part: (heads) * kHeadDim each; inv_sum: (heads); q8 / q_offset: round_queries' scratch.
+template <typename T, typename C, int kHeadDim>
+void attend_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* v_base, const int64_t* table,
+                   int64_t start, int64_t context_len, int64_t block_size, int64_t block_stride,
+                   int64_t token_stride, HeadRange r, float scale, float* scores, float* acc, float* part,
+                   float* inv_sum, int8_t* q8, int32_t* q_offset, T* out) {
+  const int64_t n = context_len - start;
+  if constexpr (std::is_same_v<C, int8_t>) round_queries<T, kHeadDim>(q, q_head_stride, r, scale, q8, q_offset);
+  scores_range<T, C, kHeadDim>(q, q_head_stride, k_base, table, start, start, context_len, block_size, block_stride,
+                               token_stride, r, scale, q8, q_offset, scores, n);
+  softmax_rows(scores, n, r.heads(), inv_sum);
+  weighted_sum<C, kHeadDim>(v_base, table, start, start, context_len, block_size, block_stride, token_stride, r, scores,
+                            n, acc, part);
+  store_heads<T, C, kHeadDim>(acc, inv_sum, r, out);
+}
+
+// A few long sequences (a batch-1 decode at 1k-32k tokens): each sequence's positions are cut
+// into `slices` runs of whole kFoldTokens chunks, and each thread walks one run of every
+// sequence for all its KV heads. Memory is then read in whole blocks, where an item per KV head
+// reads one head's part of every row (that order alone read 13-16 GB/s on Zen 4 where whole
+// blocks read 30-34; bench/README.md, "Decode attention at 32k: the read pattern alone"). Four
+// phases in one OpenMP region, a barrier apart: the scores of each run; softmax_rows per query
+// head; the weighted sum of each run (the first run's chunks folded into the total as
+// weighted_sum folds them, a later run's chunks each kept apart); the later chunks folded in
+// order and the output stored. Every score, softmax and chunk sum is computed as attend_avx512
+// computes it, and the chunks are folded in the same order: bitwise the same result whatever
+// the number of threads.
+template <typename T, typename C, int kHeadDim>
+void split_context_attention(T* out_base, const T* q_base, int64_t q_seq_stride, int64_t q_head_stride,
+                             const C* k_base, const C* v_base, const int64_t* tables, int64_t max_blocks,
+                             const int64_t* lens, int64_t sliding_window, int64_t num_seqs, int64_t num_kv_heads,
+                             int64_t group, int64_t block_size, int64_t block_stride, int64_t token_stride,
+                             float scale, int64_t slices) {
+  const HeadRange all{group, 0, num_kv_heads};
+  const int64_t heads = all.heads(), row = heads * kHeadDim;
+  std::vector<int64_t> starts(num_seqs), chunks(num_seqs), score_at(num_seqs + 1, 0), chunk_at(num_seqs + 1, 0);
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    starts[seq] = sliding_window > 0 ? std::max<int64_t>(0, lens[seq] - sliding_window) : 0;
+    const int64_t n = lens[seq] - starts[seq];
+    chunks[seq] = (n + kFoldTokens - 1) / kFoldTokens;
+    score_at[seq + 1] = score_at[seq] + heads * n;
+    chunk_at[seq + 1] = chunk_at[seq] + chunks[seq];
+  }
+  // Not zero-filled (every element is written before it is read): at 32k tokens the scores
+  // and chunk sums are MiBs per call.
+  const std::unique_ptr<float[]> scores(new float[score_at[num_seqs]]), inv_sum(new float[num_seqs * heads]),
+      totals(new float[num_seqs * row]), partials(new float[chunk_at[num_seqs] * row]);
+  // Run s of a sequence: chunks [first_chunk(seq, s), first_chunk(seq, s + 1)).
+  auto first_chunk = [&](int64_t seq, int64_t s) { return chunks[seq] * s / slices; };
+  auto position = [&](int64_t seq, int64_t chunk) {
+    return std::min(lens[seq], starts[seq] + chunk * kFoldTokens);
+  };
+  const int64_t items = num_seqs * slices;
+#pragma omp parallel num_threads(static_cast<int>(slices))
+  {
+    const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
+    std::vector<int8_t> q8(std::is_same_v<C, int8_t> ? heads * (kHeadDim + kKvScaleBytes) : 0);
+    std::vector<int32_t> q_offset(std::is_same_v<C, int8_t> ? heads : 0);
+    std::vector<float> part(row);
+    for (int64_t item = tid; item < items; item += team) {
+      const int64_t seq = item / slices, s = item % slices;
+      const T* q = q_base + seq * q_seq_stride;
+      if constexpr (std::is_same_v<C, int8_t>) round_queries<T, kHeadDim>(q, q_head_stride, all, scale, q8.data(), q_offset.data());
+      scores_range<T, C, kHeadDim>(q, q_head_stride, k_base, tables + seq * max_blocks, starts[seq],
+                                   position(seq, first_chunk(seq, s)), position(seq, first_chunk(seq, s + 1)),
+                                   block_size, block_stride, token_stride, all, scale, q8.data(), q_offset.data(),
+                                   scores.get() + score_at[seq], lens[seq] - starts[seq]);
+    }
+#pragma omp barrier
+    for (int64_t r = tid; r < num_seqs * heads; r += team) {
+      const int64_t seq = r / heads, n = lens[seq] - starts[seq];
+      softmax_rows(scores.get() + score_at[seq] + (r % heads) * n, n, 1, inv_sum.get() + r);
+    }
+#pragma omp barrier
+    for (int64_t item = tid; item < items; item += team) {
+      const int64_t seq = item / slices, s = item % slices, n = lens[seq] - starts[seq];
+      const int64_t* table = tables + seq * max_blocks;
+      const float* weights = scores.get() + score_at[seq];
+      if (s == 0) {
+        weighted_sum<C, kHeadDim>(v_base, table, starts[seq], starts[seq], position(seq, first_chunk(seq, 1)),
+                                  block_size, block_stride, token_stride, all, weights, n,
+                                  totals.get() + seq * row, part.data());
+        continue;
+      }
+      for (int64_t c = first_chunk(seq, s); c < first_chunk(seq, s + 1); ++c) {
+        float* into = partials.get() + (chunk_at[seq] + c) * row;
+        std::fill(into, into + row, 0.f);
+        accumulate_range<C, kHeadDim>(v_base, table, starts[seq], position(seq, c), position(seq, c + 1), block_size,
+                                      block_stride, token_stride, all, weights, n, into);
+      }
+    }
+#pragma omp barrier
+    for (int64_t r = tid; r < num_seqs * heads; r += team) {
+      const int64_t seq = r / heads, head = r % heads;
+      float* acc = totals.get() + seq * row + head * kHeadDim;
+      for (int64_t c = first_chunk(seq, 1); c < chunks[seq]; ++c) {
+        fold_into(acc, partials.get() + (chunk_at[seq] + c) * row + head * kHeadDim, kHeadDim);
+      }
+      store_heads<T, C, kHeadDim>(acc, inv_sum.get() + r, HeadRange{1, head, head + 1},
+                                  out_base + seq * heads * kHeadDim);
     }
   }
 }
@@ -461,9 +631,36 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
 #else
   constexpr bool kVector = false;
 #endif
+  // Checked before any work is split (a check failing inside a parallel region would throw there).
+  int64_t min_n = std::numeric_limits<int64_t>::max();
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t context_len = lens[seq];
+    TORCH_CHECK_VALUE(context_len >= 1 && context_len <= max_blocks * block_size,
+                      "context_lens[", seq, "] = ", context_len, " must be in [1, ",
+                      max_blocks * block_size, "] (max_blocks x block_size)");
+    const int64_t* table = tables + seq * max_blocks;
+    const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, context_len - sliding_window) : 0;
+    min_n = std::min(min_n, context_len - start);
+    for (int64_t b = start / block_size; b < (context_len + block_size - 1) / block_size; ++b) {
+      TORCH_CHECK_VALUE(table[b] >= 0 && table[b] < num_blocks, "block_tables[", seq, ", ", b,
+                        "] = ", table[b], " is outside [0, ", num_blocks, ")");
+    }
+  }
+  const int64_t threads = at::get_num_threads();
   // Whole sequences per item once there are kSeqsPerThread of them per thread (see the AVX-512
-  // section); the generic path always takes one KV head per item.
-  const bool whole_seqs = kVector && num_seqs >= kSeqsPerThread * at::get_num_threads();
+  // section); fewer sequences without grouped queries, each long enough, split by context;
+  // otherwise one item per KV head. The generic path always takes one KV head per item.
+  const bool whole_seqs = kVector && num_seqs >= kSeqsPerThread * threads;
+#if defined(__AVX512F__)
+  if constexpr (kVector) {
+    if (!whole_seqs && group == 1 && threads > 1 && min_n > (kMinChunksPerThread * threads - 1) * kFoldTokens) {
+      split_context_attention<T, C, kHeadDim>(out_base, q_base, q_seq_stride, q_head_stride, k_base, v_base, tables,
+                                              max_blocks, lens, sliding_window, num_seqs, num_kv_heads, group,
+                                              block_size, block_stride, token_stride, scale, threads);
+      return;
+    }
+  }
+#endif
   const int64_t heads_per_item = whole_seqs ? num_kv_heads : 1;
   const int64_t items_per_seq = num_kv_heads / heads_per_item;
   at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
@@ -476,31 +673,23 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       const int64_t seq = item / items_per_seq;
       const int64_t kv_head = (item % items_per_seq) * heads_per_item;
       const int64_t context_len = lens[seq];
-      TORCH_CHECK_VALUE(context_len >= 1 && context_len <= max_blocks * block_size,
-                        "context_lens[", seq, "] = ", context_len, " must be in [1, ",
-                        max_blocks * block_size, "] (max_blocks x block_size)");
       const int64_t* table = tables + seq * max_blocks;
       const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, context_len - sliding_window) : 0;
       const int64_t n = context_len - start;
-      const int64_t used_blocks = (context_len + block_size - 1) / block_size;
-      for (int64_t b = start / block_size; b < used_blocks; ++b) {
-        TORCH_CHECK_VALUE(table[b] >= 0 && table[b] < num_blocks, "block_tables[", seq, ", ", b,
-                          "] = ", table[b], " is outside [0, ", num_blocks, ")");
-      }
 #if defined(__AVX512F__)
       if constexpr (kVector) {
         const int64_t heads = heads_per_item * group;
         scores.resize(heads * n);
-        acc.resize(heads * kHeadDim + heads);  // accumulators, then 1 / sum per head
+        acc.resize(2 * heads * kHeadDim + heads);  // accumulators, a chunk's, then 1 / sum per head
         if constexpr (kInt8Cache) {
           q8.resize(heads * (kHeadDim + kKvScaleBytes));
           q_offset.resize(heads);
         }
         attend_avx512<T, C, kHeadDim>(q_base + seq * q_seq_stride, q_head_stride, k_base, v_base, table, start,
-                                      context_len, block_size, block_stride, token_stride, group, kv_head,
-                                      kv_head + heads_per_item, scale, scores.data(), acc.data(),
-                                      acc.data() + heads * kHeadDim, q8.data(), q_offset.data(),
-                                      out_base + seq * num_heads * head_dim);
+                                      context_len, block_size, block_stride, token_stride,
+                                      HeadRange{group, kv_head, kv_head + heads_per_item}, scale, scores.data(),
+                                      acc.data(), acc.data() + heads * kHeadDim, acc.data() + 2 * heads * kHeadDim,
+                                      q8.data(), q_offset.data(), out_base + seq * num_heads * head_dim);
         continue;
       }
 #endif

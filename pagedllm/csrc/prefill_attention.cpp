@@ -50,6 +50,7 @@ namespace pagedllm {
 namespace {
 
 constexpr int64_t kTile = 16;  // queries per tile and keys per tile (one zmm of fp32 scores)
+static_assert(kFoldTokens % kTile == 0, "a V chunk (ops.h) is whole key tiles");
 
 #if defined(__AVX512F__)
 using pagedllm_vec::load16;
@@ -187,6 +188,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     alignas(64) float q[kTile * kHeadDim];
     alignas(64) float o[kTile * kHeadDim];
+    alignas(64) float oc[kTile * kHeadDim];      // a later kFoldTokens chunk's sum (ops.h)
     alignas(64) float p[kTile * kTile];          // an int8 cache: a tile's weights times V scales
     alignas(64) float v_wide[kTile * kHeadDim];  // an int8 cache: a tile's V codes as fp32
     float inv_sum[kTile], q_scales[kTile];
@@ -245,9 +247,24 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
         if (n > 0) softmax_rows(row, n, 1, inv_sum + i);
         std::fill(row + n, row + keys_end, 0.f);
       }
-      // o = sum over keys in position order of weight * v, kRows query rows at a time in registers.
+      // o = sum over keys in position order of weight * v, kRows query rows at a time in registers,
+      // kFoldTokens keys at a time as the decode kernel sums them (ops.h): the first chunk's
+      // sum in o, each later one's in oc, then added to o for the rows that see the chunk.
       std::fill(o, o + kTile * kHeadDim, 0.f);
+      auto fold_chunk = [&](int64_t chunk_start) {
+        for (int64_t i = std::max<int64_t>(0, chunk_start - pos0); i < rows; ++i) {
+          for (int c = 0; c < kChunks; ++c) {
+            float* oi = o + i * kHeadDim + 16 * c;
+            _mm512_store_ps(oi, _mm512_add_ps(_mm512_load_ps(oi), _mm512_load_ps(oc + i * kHeadDim + 16 * c)));
+          }
+        }
+      };
       for (int64_t key0 = 0; key0 <= last_pos; key0 += kTile) {
+        if (key0 > 0 && key0 % kFoldTokens == 0) {
+          if (key0 > kFoldTokens) fold_chunk(key0 - kFoldTokens);
+          std::fill(oc, oc + kTile * kHeadDim, 0.f);
+        }
+        float* sum = key0 < kFoldTokens ? o : oc;
         const int64_t keys = std::min(kTile, last_pos + 1 - key0);
         const C* v_rows[kTile];
         alignas(64) float v_scales[kTile] = {};
@@ -271,7 +288,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
         for (int r0 = 0; r0 < kTile; r0 += kRows) {
           __m512 acc[kRows * kChunks];
           for (int r = 0; r < kRows; ++r) {
-            for (int c = 0; c < kChunks; ++c) acc[r * kChunks + c] = _mm512_load_ps(o + (r0 + r) * kHeadDim + 16 * c);
+            for (int c = 0; c < kChunks; ++c) acc[r * kChunks + c] = _mm512_load_ps(sum + (r0 + r) * kHeadDim + 16 * c);
           }
           for (int64_t j = 0; j < keys; ++j) {
             __m512 v[kChunks];
@@ -285,10 +302,11 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
             }
           }
           for (int r = 0; r < kRows; ++r) {
-            for (int c = 0; c < kChunks; ++c) _mm512_store_ps(o + (r0 + r) * kHeadDim + 16 * c, acc[r * kChunks + c]);
+            for (int c = 0; c < kChunks; ++c) _mm512_store_ps(sum + (r0 + r) * kHeadDim + 16 * c, acc[r * kChunks + c]);
           }
         }
       }
+      if (last_pos >= kFoldTokens) fold_chunk(last_pos / kFoldTokens * kFoldTokens);
       for (int64_t i = 0; i < rows; ++i) {
         const __m512 inv = _mm512_set1_ps(inv_sum[i]);
         T* dst = out_base + ((row0 + i) * num_heads + head) * kHeadDim;
