@@ -109,7 +109,9 @@ def vllm_env(venv: Path) -> dict:
     env.update({
         "HF_HUB_OFFLINE": "1",
         "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": "4",       # GiB; without it the start-up memory check fails here
+        # GiB; without it the start-up memory check fails here. 2 for the 8B in bf16 (16 GB of
+        # weights) on a 24 GiB machine, where 4 did not fit.
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",  # default reserves a core
         "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3600",
         "LD_PRELOAD": ":".join(p for p in preload if os.path.exists(p)),
