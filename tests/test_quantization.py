@@ -304,6 +304,29 @@ def test_layers_are_quantized_as_they_load(tmp_path, monkeypatch, model_type, me
         assert torch.equal(tensor, expected[name]), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8", "w4a8"])
+def test_rows_kept_for_quantization_give_the_same_layers(monkeypatch, method, dtype):
+    """A layer quantized right after it loads keeps its weight's rows in order
+    (``Linear.quantized_after_load``): the built model equals, bitwise, one whose layers were
+    stored transposed first, as a float layer is (w8a8: its calibration forward included)."""
+    config = tiny_config()
+    state_dict = tiny_state_dict(config)
+    rows_kept = build_model(config, state_dict, dtype, method, calibration_token_ids=list(range(1, 40)))
+    set_weight = Linear.set_weight
+
+    def transposed_first(self, weight, weight_dtype):
+        self.quantized_after_load = False
+        set_weight(self, weight, weight_dtype)
+
+    monkeypatch.setattr(Linear, "set_weight", transposed_first)
+    transposed = build_model(config, state_dict, dtype, method, calibration_token_ids=list(range(1, 40)))
+    expected = transposed.state_dict()
+    assert rows_kept.state_dict().keys() == expected.keys()
+    for name, tensor in rows_kept.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
 def test_quantization_option_is_validated():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineArgs.from_kwargs(quantization="int3")

@@ -348,6 +348,9 @@ def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype:
     with torch.device("meta"):
         model = model_class(config, dtype, quantization, tp)
     prequantized = tp.shard_state_dict(prequantized or {}, config) if quantization is not None else {}
+    if quantization is not None and not from_checkpoint:
+        for owner, attribute, _ in model.quantizable_linears():
+            getattr(owner, attribute).quantized_after_load = True
     streamed_bytes_saved = 0
     on_layer_loaded = None
     if quantization is not None and not from_checkpoint and not get_quant_method(quantization).needs_calibration:
