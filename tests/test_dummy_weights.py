@@ -77,6 +77,25 @@ def test_dummy_weights_are_drawn_in_the_compute_dtype_and_repeat():
     assert first.float().abs().max() < 0.0347 and first.float().std() > 0.015
 
 
+def test_dummy_weights_do_not_depend_on_the_thread_count(monkeypatch):
+    """A tensor is drawn in pieces, each from its own generator, by torch's threads at once:
+    the values are the same with one thread or two, and no piece repeats another."""
+    from pagedllm.models import dummy
+
+    monkeypatch.setattr(dummy, "DRAW_PIECE_ELEMENTS", 1000)  # [64, 128]: 9 pieces
+    threads = torch.get_num_threads()
+    drawn = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            drawn.append(DummyStateDict(tiny_config(), torch.float32)["model.layers.1.mlp.down_proj.weight"])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(drawn[0], drawn[1])
+    flat = drawn[0].view(-1)
+    assert not torch.equal(flat[:1000], flat[1000:2000]) and flat[8000:].abs().max() > 0
+
+
 def test_a_build_draws_each_dummy_weight_once():
     """Asking whether a name is there draws nothing; building the model reads every weight
     exactly once (Mapping's own ``in`` reads the item: each weight was drawn twice)."""

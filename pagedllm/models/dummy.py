@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
 import torch
 
 from pagedllm.models.hf_config import config_from_hf
@@ -26,6 +28,11 @@ from pagedllm.models.moe import MoEConfig
 # Half-width of the uniform draw: the standard deviation of transformers' initializer_range
 # (0.02) is 0.0346 / sqrt(3); a realistic activation scale, unlike vLLM's 1e-3.
 DUMMY_WEIGHT_RANGE = 0.0346
+# Elements drawn from one generator: a tensor is drawn in pieces of this many, each from its own
+# generator, by torch's threads at once (one generator's uniform_ runs on one thread; on 2 cores
+# a w4a8 SmolLM2-1.7B builds in 12.2-12.7 s against 15.1-15.4 with one generator per tensor,
+# Zen 4). The pieces keep the values independent of the thread count.
+DRAW_PIECE_ELEMENTS = 1 << 22
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -109,9 +116,10 @@ class DummyStateDict(Mapping):
     """A read-only ``{Hugging Face name: tensor}`` whose tensors are drawn when read.
 
     Norm weights are ones (transformers' initialization); every other tensor is uniform in
-    ``[-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)``, drawn in ``dtype`` from a generator seeded
-    by ``seed`` and the name, so that reading a name twice, or on another tensor-parallel
-    rank, gives the same tensor.
+    ``[-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE)``, drawn in ``dtype``, each piece of
+    ``DRAW_PIECE_ELEMENTS`` from a generator seeded by ``seed``, the name and the piece's
+    index, so that reading a name twice, on another tensor-parallel rank or with another
+    number of threads, gives the same tensor.
     """
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype, seed: int = 0) -> None:
@@ -123,9 +131,21 @@ class DummyStateDict(Mapping):
         shape = self.shapes[name]
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=self.dtype)
-        generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))
-        return torch.empty(shape, dtype=self.dtype).uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE,
-                                                             generator=generator)
+        tensor = torch.empty(shape, dtype=self.dtype)
+        pieces = tensor.view(-1).split(DRAW_PIECE_ELEMENTS)
+
+        def draw(index: int) -> None:
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}:{index}".encode()))
+            pieces[index].uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+
+        workers = min(len(pieces), torch.get_num_threads())
+        if workers <= 1:
+            for index in range(len(pieces)):
+                draw(index)
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(draw, range(len(pieces))))
+        return tensor
 
     def __contains__(self, name: object) -> bool:
         # Mapping's own __contains__ reads the item, which would draw the tensor (the loader
