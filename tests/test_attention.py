@@ -461,6 +461,47 @@ def test_prefill_attention_picks_the_fastest_kernel(kernel, monkeypatch, amx, in
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("num_prompt_tokens", [None, 30, 60, 100, 149, 150, 400])
+def test_rows_of_output_tokens_take_the_exact_kernel(kernel, monkeypatch, num_prompt_tokens):
+    """A chunk that recomputes a preempted request's output tokens (positions from
+    ``num_prompt_tokens`` on, which decode steps computed first) gives those rows the exact
+    kernel, bitwise the decode kernel's, and its prompt rows the bf16 kernel; a bf16 kernel row
+    does not depend on where a chunk starts or ends (case B18: the recompute's chunks are not the
+    first run's)."""
+    from pagedllm.layers import attention as attention_module
+    from pagedllm.layers.attention import prefill_attention
+
+    if not kernel.prefill_attention_bf16_supported(HEAD_DIM):
+        pytest.skip("no AVX512_BF16 prefill kernel in this build: bf16 prefill runs the exact kernel throughout")
+    monkeypatch.delenv("PAGEDLLM_BATCH_INVARIANT", raising=False)
+    monkeypatch.setattr(attention_module, "amx_preferred", lambda: False)
+    context_len, q_len, num_heads, num_kv_heads = 150, 90, 6, 2
+    g = torch.Generator().manual_seed(18)
+    num_blocks = -(-context_len // BLOCK_SIZE)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    key_cache, value_cache = (torch.randn(shape, generator=g).bfloat16() for _ in range(2))
+    table = torch.randperm(num_blocks, generator=g)
+    queries = torch.randn(context_len, num_heads, HEAD_DIM, generator=g).bfloat16()
+    scale = HEAD_DIM ** -0.5
+    first = context_len - q_len
+    query, key = queries[first:], torch.zeros(q_len, num_kv_heads, HEAD_DIM, dtype=torch.bfloat16)
+
+    def rows(name, begin, end):  # query rows at positions begin .. end - 1, in one call
+        op = getattr(kernel, f"paged_prefill_attention{'_bf16' if name == 'bf16' else ''}")
+        return op(queries[begin:end], key_cache, value_cache, table, end, scale)
+
+    whole = rows("bf16", 0, context_len)
+    assert not torch.equal(rows("exact", first, context_len), whole[first:])  # the kernels' rows differ
+    for cut in (37, 64, 100):
+        assert torch.equal(torch.cat([rows("bf16", 0, cut), rows("bf16", cut, context_len)]), whole)
+    out = prefill_attention(query, key, key, key_cache, value_cache,
+                            PrefillSequence(0, q_len, context_len, table, num_prompt_tokens), scale)
+    split = context_len if num_prompt_tokens is None else min(context_len, max(first, num_prompt_tokens))
+    expected = [rows("bf16", first, split)] if split > first else []
+    expected += [rows("exact", split, context_len)] if split < context_len else []
+    assert torch.equal(out, torch.cat(expected)) and torch.equal(out[:split - first], whole[first:split])
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (4, 1, 256), (8, 8, 64)])
 @pytest.mark.parametrize("num_cached,q_len,block_size", [(0, 1, 16), (0, 37, 16), (23, 40, 16), (150, 7, 16),
                                                          (5, 130, 16), (31, 33, 5), (64, 64, 1)])

@@ -11,7 +11,9 @@ GEMM sums in an order that depends on the batch's row count) and the weight-only
 kernels (a kernel for decode-size batches, dequantize-and-GEMM for a prefill) are close, not
 exact; docs/sampling.md says so. On CPUs with AMX that holds with ``PAGEDLLM_BATCH_INVARIANT=1``
 (the default there multiplies bf16 weights with oneDNN's AMX kernels, whose rows depend on the
-row count).
+row count). With AVX512_BF16 it holds by default too: bf16 prompt rows run a kernel of bf16 dot
+products, which is not the decode kernel's, so a recompute gives the rows of output tokens the
+exact kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pagedllm import SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.layers import ops
+from pagedllm.layers.linear import amx_preferred
 from pagedllm.models.loader import build_model
 from tests.conftest import run_to_completion, tiny_config, tiny_state_dict
 
@@ -69,6 +72,25 @@ def test_seeded_samples_and_their_logprobs_survive_preemption_bitwise(kernel, dt
     the Q/K/V projections. ``PAGEDLLM_BATCH_INVARIANT=1`` keeps bf16 weights in their tiles on
     CPUs with AMX, where oneDNN's AMX matmul would take them (elsewhere the default already)."""
     monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", "1")
+    _check_seeded_samples_survive_preemption(dtype, quantization, kv_cache_dtype, architecture)
+
+
+@pytest.mark.parametrize("quantization", [None, "w8a8"])
+def test_bf16_prompts_on_bf16_dot_products_survive_preemption_bitwise(kernel, quantization, monkeypatch):
+    """The default on CPUs with AVX512_BF16 (no ``PAGEDLLM_BATCH_INVARIANT``): bf16 prompt rows
+    over a bf16 cache run ``paged_prefill_attention_bf16``, whose rows are not the decode
+    kernel's; a recompute after preemption gives the rows of output tokens the exact kernel, as
+    their decode steps had, so the samples still survive bitwise (case B18, found by a new user
+    on a Zen 4: 1 of 8 greedy SmolLM2 outputs changed after preemption). Without the bf16 kernel
+    in the build the exact one runs throughout, and the same holds."""
+    monkeypatch.delenv("PAGEDLLM_BATCH_INVARIANT", raising=False)
+    if amx_preferred():
+        pytest.skip("on CPUs with AMX the default multiplies bf16 weights with oneDNN's AMX kernels, "
+                    "whose rows depend on the row count: invariance needs PAGEDLLM_BATCH_INVARIANT=1")
+    _check_seeded_samples_survive_preemption("bfloat16", quantization, "auto", "llama")
+
+
+def _check_seeded_samples_survive_preemption(dtype: str, quantization, kv_cache_dtype: str, architecture: str):
     config = tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=64, architecture=architecture,
                          attention_bias=architecture == "qwen2")

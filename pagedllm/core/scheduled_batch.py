@@ -68,6 +68,8 @@ class ScheduledRequest:
             this chunk predict the prompt tokens ``next_token_ids`` that have no record yet,
             with ``num_top`` alternatives each; None when it asked for none or all are done.
         lora_request: its adapter, None for the base model.
+        num_prompt_tokens: the sequence's prompt length (positions from it on hold output
+            tokens; ``PrefillSequence.num_prompt_tokens``), None when not known.
     """
 
     request_id: RequestId
@@ -78,6 +80,7 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: Optional[tuple[int, list[int], int]] = None
     lora_request: Optional["LoRARequest"] = None
+    num_prompt_tokens: Optional[int] = None
 
     @property
     def num_new_tokens(self) -> int:

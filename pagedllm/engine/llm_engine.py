@@ -488,7 +488,7 @@ class LLMEngine:
             scheduled.append(ScheduledRequest(
                 request.request_id, token_ids, start, self.kv_cache_manager.get_block_ids(request.request_id),
                 tuple(self._sampling_input(sequence) for sequence in sampled), drafts, prompt_logprobs,
-                request.lora_request))
+                request.lora_request, request.num_prompt_tokens))
         if constrained:
             bitmask = allocate_bitmask(len(constrained), self.model_config.vocab_size)
             fill_bitmasks([sequence.grammar for sequence, _, _ in constrained], bitmask)

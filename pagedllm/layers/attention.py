@@ -47,12 +47,17 @@ class PrefillSequence:
         start, end: its rows in the flat token batch.
         context_len: tokens in the cache after this step (``num_computed_tokens + end - start``).
         block_table: ``[num_blocks_of_seq]`` int64 physical block ids.
+        num_prompt_tokens: the sequence's prompt length, or None (every row a prompt token).
+            Rows at later positions are output tokens that decode steps computed first and a
+            recompute after preemption computes again: ``prefill_attention`` gives them the
+            kernel whose rows are bitwise the decode kernel's.
     """
 
     start: int
     end: int
     context_len: int
     block_table: torch.Tensor
+    num_prompt_tokens: Optional[int] = None
 
 
 @dataclass
@@ -290,12 +295,27 @@ class PrefillAttention(CustomOp):
         head_dim = query.shape[2]
         if ((sliding_window is None or sliding_window >= seq.context_len)
                 and not sdpa_is_faster(query.shape[0], seq.context_len, query.dtype, key_cache.dtype)):
-            args = (query, key_cache, value_cache, seq.block_table, seq.context_len, scale)
+            exact = self._kernel_supports("prefill_attention", head_dim)
             if (bf16_kernel_preferred(query.dtype, key_cache.dtype)
                     and self._kernel_supports("prefill_attention_bf16", head_dim)):
-                return torch.ops.pagedllm.paged_prefill_attention_bf16(*args)
-            if self._kernel_supports("prefill_attention", head_dim):
-                return torch.ops.pagedllm.paged_prefill_attention(*args)
+                # Prompt rows on bf16 dot products; rows of output tokens (a recompute after
+                # preemption) in the exact kernel, as the decode steps that first computed them,
+                # so that their K/V and every later token stay bitwise those of the run without
+                # preemption (case B18).
+                first = seq.context_len - query.shape[0]
+                prompt_rows = query.shape[0] if seq.num_prompt_tokens is None or not exact else \
+                    min(query.shape[0], max(0, seq.num_prompt_tokens - first))
+                outputs = []
+                if prompt_rows:
+                    outputs.append(torch.ops.pagedllm.paged_prefill_attention_bf16(
+                        query[:prompt_rows], key_cache, value_cache, seq.block_table, first + prompt_rows, scale))
+                if prompt_rows < query.shape[0]:
+                    outputs.append(torch.ops.pagedllm.paged_prefill_attention(
+                        query[prompt_rows:], key_cache, value_cache, seq.block_table, seq.context_len, scale))
+                return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+            if exact:
+                return torch.ops.pagedllm.paged_prefill_attention(query, key_cache, value_cache, seq.block_table,
+                                                                  seq.context_len, scale)
         return prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale, sliding_window)
 
 

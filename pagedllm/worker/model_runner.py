@@ -311,7 +311,8 @@ class ModelRunner:
                 decode_rows.append((request, end))
             else:
                 prefill_seqs.append(PrefillSequence(row, row + num_new, end,
-                                                    torch.tensor(table[:-(-end // block_size)])))
+                                                    torch.tensor(table[:-(-end // block_size)]),
+                                                    request.num_prompt_tokens))
             for sample_input in request.samples:
                 sample_rows.append(row + num_new - 1)
                 samples.append(sample_input)

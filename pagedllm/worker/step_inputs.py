@@ -68,7 +68,8 @@ def broadcast_step(step: StepInputs) -> None:
     decode_tables = m.decode_block_tables if num_decode else torch.empty(0, 0, dtype=torch.int64)
     parts = [step.input_ids, step.positions, m.slot_mapping, decode_tables.reshape(-1),
              m.decode_context_lens if num_decode else torch.empty(0, dtype=torch.int64),
-             torch.tensor([[p.start, p.end, p.context_len, len(p.block_table)] for p in m.prefills],
+             torch.tensor([[p.start, p.end, p.context_len, len(p.block_table),
+                           -1 if p.num_prompt_tokens is None else p.num_prompt_tokens] for p in m.prefills],
                           dtype=torch.int64).reshape(-1)]
     parts += [p.block_table for p in m.prefills]
     parts += [torch.tensor([s for s, _ in step.blocks_to_copy], dtype=torch.int64),
@@ -102,13 +103,14 @@ def receive_step() -> Optional[StepInputs]:
         return None
     flat = torch.empty(flat_len, dtype=torch.int64)
     _broadcast(flat, parallel_state.data_group())
-    sizes = [num_tokens, num_tokens, num_tokens, num_decode * max_blocks, num_decode, 4 * num_prefills,
+    sizes = [num_tokens, num_tokens, num_tokens, num_decode * max_blocks, num_decode, 5 * num_prefills,
              prefill_table_len, num_copies, num_copies]
     (input_ids, positions, slot_mapping, decode_tables, context_lens, prefill_meta, prefill_tables,
      copy_src, copy_dst) = flat.split(sizes)
     prefills, offset = [], 0
-    for start, end, context_len, table_len in prefill_meta.view(num_prefills, 4).tolist():
-        prefills.append(PrefillSequence(start, end, context_len, prefill_tables[offset:offset + table_len]))
+    for start, end, context_len, table_len, num_prompt in prefill_meta.view(num_prefills, 5).tolist():
+        prefills.append(PrefillSequence(start, end, context_len, prefill_tables[offset:offset + table_len],
+                                        None if num_prompt < 0 else num_prompt))
         offset += table_len
     metadata = AttentionMetadata(slot_mapping=slot_mapping, prefills=prefills, num_decode_tokens=num_decode)
     if num_decode:
