@@ -113,3 +113,29 @@ def _check_seeded_samples_survive_preemption(dtype: str, quantization, kv_cache_
     preempted, preemptions = _run(model, dtype, kv_cache_dtype, prompts, params, num_blocks=12)
     assert preemptions > 0
     assert sampled(preempted) == alone
+
+
+def test_smollm2_bf16_greedy_and_seeded_outputs_survive_preemption(kernel, monkeypatch):
+    """Case B18 as a new user ran it (2026-12-07, Zen 4): the real SmolLM2 in bf16, default
+    settings, 8 prompts that share a prefix, each run alone and then all in a 16-block pool that
+    preempts them; before output tokens' rows were given the exact kernel on recompute, 1 of 8
+    greedy and 4 of 8 seeded outputs changed there."""
+    from pagedllm import LLM
+
+    monkeypatch.delenv("PAGEDLLM_BATCH_INVARIANT", raising=False)
+    if amx_preferred():
+        pytest.skip("on CPUs with AMX invariance needs PAGEDLLM_BATCH_INVARIANT=1 (oneDNN's AMX matmul)")
+    prefix = "You are a helpful assistant. Please answer the following question in detail and with care. "
+    prompts = [prefix + q for q in ["What is the tallest mountain?", "Why is the sky blue?", "Explain gravity.",
+                                    "What is a prime number?", "Describe a cat.", "How do airplanes fly?",
+                                    "What is Python?", "Name the planets."]]
+    roomy = LLM(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=1 << 28, enable_prefix_caching=False)
+    small = LLM(dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=16)
+    for params in (SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+                   SamplingParams(temperature=1.0, seed=1234, max_tokens=64, ignore_eos=True)):
+        alone = [roomy.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids for prompt in prompts]
+        before = small.llm_engine.scheduler.num_preemptions
+        preempted = [output.outputs[0].token_ids for output in small.generate(prompts, params, use_tqdm=False)]
+        assert small.llm_engine.scheduler.num_preemptions > before
+        assert preempted == alone
+        assert small.llm_engine.kv_cache_manager.block_pool.num_used_blocks == 0
