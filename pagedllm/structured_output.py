@@ -150,6 +150,23 @@ class GrammarCompiler:
         return compiled
 
 
+def check_json_schema(schema: Any, field: str) -> None:
+    """Whether llguidance compiles ``schema`` (as ``compile`` would, without a tokenizer).
+
+    Raises:
+        ValueError: it does not (an unknown type, an unresolvable ``$ref``...), the message
+            starting with ``field``.
+    """
+    from llguidance import LLMatcher
+
+    try:
+        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
+    except ValueError as exc:
+        error = str(exc)
+    if error:
+        raise ValueError(f"{field} is not a JSON schema that compiles: {error.strip()}")
+
+
 def _to_llguidance_grammar(params: StructuredOutputsParams) -> str:
     """The llguidance grammar text of a constraint (vLLM ``serialize_guidance_grammar``)."""
     from llguidance import LLMatcher

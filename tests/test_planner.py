@@ -331,6 +331,18 @@ def test_cli_plan_reports_a_bad_trace_line(tmp_path, capsys):
     assert f"error: {trace} line 2: output_tokens must be an integer >= 1, got 0" in capsys.readouterr().err
 
 
+def test_a_bad_trace_is_reported_before_calibrating(tmp_path, capsys, monkeypatch):
+    """Without a cost model the planner calibrates (tens of seconds); a malformed trace is
+    refused first."""
+    from pagedllm.planner import plan as plan_module
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"arrival": 0, "prompt_tokens": 4, "output_tokens": 0}\n')
+    monkeypatch.setattr(plan_module, "calibrate_model", lambda *args: pytest.fail("calibrated a bad trace"))
+    assert cli.main(["plan", "--trace", str(trace), "--cost-model", str(tmp_path / "absent.json")]) == 2
+    assert f"error: {trace} line 1: output_tokens must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
 def test_without_memory_the_sweep_runs_from_the_smallest_budget_to_the_default(tmp_path, capsys):
     """No ``--memory``: six budgets from the smallest that holds the longest request (12 tokens
     = 3 blocks of 4 tokens of 64 bytes: 192 B) to the cost model's default (192 KiB), spaced

@@ -125,6 +125,10 @@ def test_parse_auto_and_held_back():
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
     ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [{"type": "function"}]}, "tools", "tools entry 0 must be"),
+    # Under the default tool_choice ("auto") too: the model may call any tool it is shown.
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "tools",
+     "tools entry 0: parameters is not a JSON schema that compiles: Invalid type: bogus"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools", f"function name {TOOLS[0]['function']['name']!r} is already taken"),
     ({"tool_choice": {"type": "function", "function": "get_time"}}, "tool_choice", "tool_choice must be"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "constrains the reply already"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -133,6 +134,9 @@ def main(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
         cost_model = CostModel.load(path)
         log(f"cost model: {path}")
     else:
+        # The trace's form first, not after minutes of calibration (token ids against the
+        # vocabulary, and text through the tokenizer, are checked once the model is known).
+        load_trace(args.trace, sys.maxsize, lambda text: [0])
         cost_model = calibrate_model(args, log)
         cost_model.save(path)
         log(f"cost model saved to {path} (reused by later runs; --recalibrate measures again)")

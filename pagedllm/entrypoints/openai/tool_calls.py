@@ -18,6 +18,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pagedllm.structured_output import check_json_schema
+
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 TOOL_CALL_START = "<tool_call>"
 
@@ -45,7 +47,8 @@ def check_tools(tools: Optional[list[Any]], tool_choice: Any) -> tuple[str, Opti
     ``named``; OpenAI's default is ``auto`` with tools, ``none`` without.
 
     Raises:
-        ValueError: a malformed tool or ``tool_choice``, a named function not among the tools,
+        ValueError: a malformed tool (its ``parameters`` not a schema that compiles, a name
+            two entries share) or ``tool_choice``, a named function not among the tools,
             or a ``tool_choice`` other than ``none`` without tools; the message starts with the
             field's name.
     """
@@ -58,6 +61,11 @@ def check_tools(tools: Optional[list[Any]], tool_choice: Any) -> tuple[str, Opti
                              f"\"parameters\": ...}}}}, got {tool!r}")
         if not isinstance(function.get("parameters", {}), dict):
             raise ValueError(f"tools entry {i}: parameters must be a JSON schema object")
+        if "parameters" in function:  # checked whatever tool_choice is: "auto" may call it
+            check_json_schema(function["parameters"], f"tools entry {i}: parameters")
+        if function["name"] in functions:
+            raise ValueError(f"tools entry {i}: function name {function['name']!r} is already taken by an "
+                             "earlier entry (a call could not say which one it means)")
         functions[function["name"]] = function
     if tool_choice is None:
         return ("auto" if functions else "none"), None
