@@ -129,6 +129,11 @@ def test_parse_auto_and_held_back():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "tools",
      "tools entry 0: parameters is not a JSON schema that compiles: Invalid type: bogus"),
     ({"tools": TOOLS + TOOLS[:1]}, "tools", f"function name {TOOLS[0]['function']['name']!r} is already taken"),
+    ({"messages": MESSAGES + [
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                              "function": {"name": "get_weather", "arguments": "{not json"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]},
+     "messages", "messages[1].tool_calls[0].function.arguments is not JSON"),
     ({"tool_choice": {"type": "function", "function": "get_time"}}, "tool_choice", "tool_choice must be"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "constrains the reply already"),

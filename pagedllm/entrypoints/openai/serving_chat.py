@@ -49,7 +49,10 @@ class OpenAIServingChat(OpenAIServing):
                     check_utf8(value, f"messages[{i}].{key}")
                 except ValueError as exc:
                     raise OpenAIError(400, str(exc), param=f"messages.{i}.{key}") from exc
-        template_messages = [template_messages_arguments(m) for m in template_messages]
+        try:
+            template_messages = [template_messages_arguments(m, i) for i, m in enumerate(template_messages)]
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="messages") from exc
         try:
             text = tokenizer.apply_chat_template(template_messages, tokenize=False, tools=tools,
                                                  add_generation_prompt=add_generation_prompt,

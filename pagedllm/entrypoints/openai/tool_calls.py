@@ -139,17 +139,24 @@ def held_back(text: str) -> int:
     return 0
 
 
-def template_messages_arguments(message: dict) -> dict:
+def template_messages_arguments(message: dict, index: int = 0) -> dict:
     """An assistant message's ``tool_calls`` with ``arguments`` as objects, which chat
-    templates (Qwen2.5's) serialize with ``tojson`` (vLLM does the same)."""
+    templates (Qwen2.5's) serialize with ``tojson`` (vLLM does the same).
+
+    Raises:
+        ValueError: an ``arguments`` string that is not JSON, naming
+            ``messages[index].tool_calls[j].function.arguments`` (a template would otherwise
+            get the bare string where every other call has an object).
+    """
     calls = []
-    for call in message.get("tool_calls") or []:
+    for j, call in enumerate(message.get("tool_calls") or []):
         call = json.loads(json.dumps(call))
         function = call.get("function", {})
         if isinstance(function.get("arguments"), str):
             try:
                 function["arguments"] = json.loads(function["arguments"])
-            except ValueError:
-                pass
+            except ValueError as exc:
+                raise ValueError(f"messages[{index}].tool_calls[{j}].function.arguments is not JSON "
+                                 f"({exc}): {function['arguments'][:80]!r}") from None
         calls.append(call)
     return {**message, "tool_calls": calls} if calls else message
