@@ -139,7 +139,7 @@ def held_back(text: str) -> int:
     return 0
 
 
-def template_messages_arguments(message: dict, index: int = 0) -> dict:
+def template_messages_arguments(message: dict, index: int) -> dict:
     """An assistant message's ``tool_calls`` with ``arguments`` as objects, which chat
     templates (Qwen2.5's) serialize with ``tojson`` (vLLM does the same).
 
