@@ -17,6 +17,8 @@
      context) over the read bandwidth; reported as measured rate / bound rate, against the
      fresh buffers' best read and against a read of the step's own weight storages where they
      lie (``weights_read_bandwidth``);
+     and, in pairs, each decode step timed beside a read of the bytes it read
+     (``paired_decode``);
    - prefill of ``--context`` tokens: its FLOPs (2 per weight of the decoder projections per
      token, attention's ``4 * heads * head_dim`` per token pair of the causal half, the LM head
      once) over the time to first token, as a fraction of the GEMM peak of the compute dtype
@@ -29,12 +31,14 @@ lower bounds of what it can do.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import torch
 
 from pagedllm.huge_pages import huge_page_zeros
 from pagedllm.layers.quantization import weight_bytes
 from pagedllm.models.dummy import hf_weight_shapes
+from pagedllm.sampling_params import SamplingParams
 
 import scale  # bench/scale.py, beside this file
 
@@ -78,17 +82,65 @@ def weights_read_bandwidth(module: torch.nn.Module, repeats: int) -> float:
     bytes a decode step reads, where they lie. A fresh buffer can land on faster memory than
     weights allocated minutes earlier (Zen 4 VM, 2026-12-07: a 1 GiB buffer read 33-38 GB/s
     while buffers allocated after it read 48-55 in the same seconds)."""
-    storages = {}
-    for tensor in list(module.parameters()) + list(module.buffers()):
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(storage)
-    views = [raw[: raw.numel() // 4 * 4].view(torch.float32) for raw in storages.values()]
+    views = storage_views(list(module.parameters()) + list(module.buffers()))
     torch.set_flush_denormal(True)  # random bits read as float32: no slow denormal adds
     try:
         seconds = _best_time(lambda: [view.sum() for view in views], repeats)
     finally:
         torch.set_flush_denormal(False)  # torch's default; the engine never sets it
     return sum(view.nbytes for view in views) / seconds
+
+
+def storage_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """float32 views of the storages ``tensors`` lie in, each storage once (its whole bytes)."""
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return [raw[: raw.numel() // 4 * 4].view(torch.float32) for raw in storages.values()]
+
+
+def paired_decode(llm, prompt: list[int], steps: int, step_bytes: int) -> dict:
+    """One request's decode steps, each followed by a ``sum`` over the bytes a step reads where
+    they lie (the step's weight storages and the whole KV pool, which ``build_llm`` sizes to the
+    request), best of 3. Each step's fraction is its rate (``step_bytes`` / its time) over the
+    read's rate a moment later, so a VM whose bandwidth moves 2x within a minute moves both
+    sides of a pair alike. Returns the per-step fractions and their median.
+
+    Raises:
+        RuntimeError: if the request ends before its prefill gives a token.
+    """
+    engine = llm.llm_engine
+    model = engine.model
+    step_weights = torch.nn.ModuleList([model.layers, model.norm, model.lm_head])
+    views = storage_views(list(step_weights.parameters()) + list(step_weights.buffers())
+                          + [cache for layer in engine.model_runner.kv_caches for cache in layer])
+    read_bytes = sum(view.nbytes for view in views)
+    engine.add_request("paired-decode", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+    while not any(o.outputs and o.outputs[0].token_ids for o in engine.step()):
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("the request ended before its first token")
+    fractions, step_rates, read_rates = [], [], []
+    torch.set_flush_denormal(True)  # random bits read as float32: no slow denormal adds
+    try:
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            step_rate = step_bytes / (time.perf_counter() - start)
+            read = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                for view in views:
+                    view.sum()
+                read = min(read, time.perf_counter() - start)
+            step_rates.append(step_rate)
+            read_rates.append(read_bytes / read)
+            fractions.append(step_rate / read_rates[-1])
+    finally:
+        torch.set_flush_denormal(False)
+    return {"fractions": fractions, "median": statistics.median(fractions),
+            "step_rate": statistics.median(step_rates), "read_rate": statistics.median(read_rates)}
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
@@ -126,7 +178,8 @@ def model_fractions(args: argparse.Namespace, bandwidth: float, peaks: dict) -> 
     compute = "int8" if args.quantization in ("w8a8", "w4a8") else str(model.dtype).replace("torch.", "")
     prefill_rate = prefill_flops / measured["ttft_s"]
     own_bound_rate = max(own_reads) / step_bytes
-    return {"reads": reads, "own_reads": own_reads, "step_bytes": step_bytes,
+    paired = paired_decode(llm, scale._prompt(args.context, config.vocab_size, 1), args.decode_tokens - 1, step_bytes)
+    return {"paired": paired, "reads": reads, "own_reads": own_reads, "step_bytes": step_bytes,
             "decode_own_fraction": measured["decode_tokens_per_s"] / own_bound_rate, "decode_tokens_per_s": measured["decode_tokens_per_s"],
             "decode_bound_tokens_per_s": bound_rate,
             "decode_fraction": measured["decode_tokens_per_s"] / bound_rate,
@@ -156,6 +209,10 @@ def main() -> None:
           + ", ".join(f"{read / 1e9:.1f}" for read in result["reads"]) + " GB/s; the bound takes the highest)")
     print(f"  the step's own weights, summed where they lie, read {result['own_reads'][0] / 1e9:.1f} GB/s before "
           f"and {result['own_reads'][1] / 1e9:.1f} after: decode at {result['decode_own_fraction']:.0%} of that bound")
+    fractions = result["paired"]["fractions"]
+    print(f"  {len(fractions)} decode steps, each beside a read of the step's weights and KV pool: median "
+          f"{result['paired']['median']:.0%} of that read's rate (range {min(fractions):.0%}-{max(fractions):.0%}; medians: steps "
+          f"{result['paired']['step_rate'] / 1e9:.1f} GB/s, reads {result['paired']['read_rate'] / 1e9:.1f} GB/s)")
     print(f"prefill of {args.context} tokens: {result['prefill_flops_per_s'] / 1e9:.0f} GFLOP/s, "
           f"{result['prefill_fraction']:.0%} of the {result['prefill_peak']} GEMM peak")
 
