@@ -16,6 +16,9 @@ cache instead of its blocks from DRAM (32k-token 3B w8a8 decode on Zen 4, before
 Every step is timed without the profiler (median of ``--repeats``), then once under
 ``torch.profiler`` to split its time into categories of ATen ops; "python + other" is the
 step's wall time that no ATen op accounts for (list building, tensor creation, dispatch).
+With ``--paired N``, each batch-1 decode is also timed N times, each step beside a read of
+the bytes it reads (its weight storages and its sequence's KV blocks, ``bench/roofline.py``'s
+``paired_fractions``): the step's rate as a fraction of the read's a moment later.
 The results are written into bench/README.md by hand.
 """
 
@@ -31,6 +34,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.scheduled_batch import SamplingInput, ScheduledBatch, ScheduledRequest
+
+import roofline  # bench/roofline.py, beside this file
 
 CATEGORIES = [
     # decode_layers calls its ops directly (not through the dispatcher): only the linear layers
@@ -120,6 +125,24 @@ def compare_python_layers(runner, batch: ScheduledBatch, fused_decode, rounds: i
     print(f"  decode_layers op / python layers: {statistics.median(times[False]) / statistics.median(times[True]):.2f}x")
 
 
+def paired_decode(llm: LLM, batch: ScheduledBatch, rounds: int) -> None:
+    """Prints ``roofline.paired_fractions`` of a batch-1 decode step: its weight storages and
+    the KV blocks of its one sequence (blocks ``0 .. n - 1``, ``make_batch``) against the step."""
+    engine = llm.llm_engine
+    (request,) = batch.requests
+    num_blocks = len(request.block_table)
+    kv_blocks = [cache[:num_blocks] for layer in engine.model_runner.kv_caches for cache in layer]
+    views = roofline.storage_views(roofline.step_weight_tensors(engine.model))
+    views += [blocks.reshape(-1).view(torch.uint8)[: blocks.nbytes // 4 * 4].view(torch.float32) for blocks in kv_blocks]
+    step_bytes = (roofline.decode_weight_bytes(engine.model)
+                  + request.num_computed_tokens * engine.bytes_per_block // engine.args.block_size)
+    paired = roofline.paired_fractions(lambda: engine.model_runner.execute_model(batch), views, step_bytes, rounds)
+    print(f"  paired: {rounds} steps ({step_bytes / 2**20:.0f} MiB each), each beside a read of the same bytes: "
+          f"median {paired['median']:.0%} of the read's rate (range {min(paired['fractions']):.0%}-"
+          f"{max(paired['fractions']):.0%}; medians: steps {paired['step_rate'] / 1e9:.1f} GB/s, "
+          f"reads {paired['read_rate'] / 1e9:.1f} GB/s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="auto")
@@ -138,6 +161,8 @@ def main() -> None:
     parser.add_argument("--compare-python-layers", type=int, default=0, metavar="ROUNDS",
                         help="also time each decode step with the Python layers against the fused C++ decode op, "
                              "alternated ROUNDS times (--repeats steps each)")
+    parser.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                        help="also time ROUNDS batch-1 decode steps, each beside a read of the bytes it reads")
     parser.add_argument("--kinds", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
     args = parser.parse_args()
     if args.threads is not None:
@@ -171,6 +196,8 @@ def main() -> None:
                                sorted(parts.items(), key=lambda kv: -kv[1]))
             print(f"{kind:7} batch {num_seqs:3} ({tokens:4} tokens): {median * 1000:8.1f} ms/step, "
                   f"{tokens / median:7.1f} tokens/s | {shares}")
+            if kind == "decode" and num_seqs == 1 and args.paired:
+                paired_decode(llm, batch, args.paired)
             fused_decode = llm.llm_engine.model.fused_decode
             if kind == "decode" and args.compare_python_layers and fused_decode is not None:
                 compare_python_layers(runner, batch, fused_decode, args.compare_python_layers, args.repeats)

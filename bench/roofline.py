@@ -100,47 +100,57 @@ def storage_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [raw[: raw.numel() // 4 * 4].view(torch.float32) for raw in storages.values()]
 
 
-def paired_decode(llm, prompt: list[int], steps: int, step_bytes: int) -> dict:
-    """One request's decode steps, each followed by a ``sum`` over the bytes a step reads where
-    they lie (the step's weight storages and the whole KV pool, which ``build_llm`` sizes to the
-    request), best of 3. Each step's fraction is its rate (``step_bytes`` / its time) over the
-    read's rate a moment later, so a VM whose bandwidth moves 2x within a minute moves both
-    sides of a pair alike. Returns the per-step fractions and their median.
-
-    Raises:
-        RuntimeError: if the request ends before its prefill gives a token.
-    """
-    engine = llm.llm_engine
-    model = engine.model
-    step_weights = torch.nn.ModuleList([model.layers, model.norm, model.lm_head])
-    views = storage_views(list(step_weights.parameters()) + list(step_weights.buffers())
-                          + [cache for layer in engine.model_runner.kv_caches for cache in layer])
+def paired_fractions(step, views: list[torch.Tensor], step_bytes: int, rounds: int) -> dict:
+    """``rounds`` pairs of one call of ``step`` (which reads ``step_bytes``) and a ``sum`` over
+    ``views`` (the same bytes where they lie), best of 3. Each pair's fraction is the step's
+    rate over the read's a moment later, so a VM whose bandwidth moves 2x within a minute moves
+    both sides of a pair alike. Returns the fractions, their median and the median rates (B/s)."""
     read_bytes = sum(view.nbytes for view in views)
-    engine.add_request("paired-decode", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
-    while not any(o.outputs and o.outputs[0].token_ids for o in engine.step()):
-        if not engine.has_unfinished_requests():
-            raise RuntimeError("the request ended before its first token")
     fractions, step_rates, read_rates = [], [], []
-    torch.set_flush_denormal(True)  # random bits read as float32: no slow denormal adds
-    try:
-        while engine.has_unfinished_requests():
-            start = time.perf_counter()
-            engine.step()
-            step_rate = step_bytes / (time.perf_counter() - start)
-            read = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        step()
+        step_rates.append(step_bytes / (time.perf_counter() - start))
+        read = float("inf")
+        torch.set_flush_denormal(True)  # random bits read as float32: no slow denormal adds
+        try:
             for _ in range(3):
                 start = time.perf_counter()
                 for view in views:
                     view.sum()
                 read = min(read, time.perf_counter() - start)
-            step_rates.append(step_rate)
-            read_rates.append(read_bytes / read)
-            fractions.append(step_rate / read_rates[-1])
-    finally:
-        torch.set_flush_denormal(False)
+        finally:
+            torch.set_flush_denormal(False)  # torch's default; the engine never sets it
+        read_rates.append(read_bytes / read)
+        fractions.append(step_rates[-1] / read_rates[-1])
     return {"fractions": fractions, "median": statistics.median(fractions),
             "step_rate": statistics.median(step_rates), "read_rate": statistics.median(read_rates)}
+
+
+def step_weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers of what a decode step multiplies by: the decoder layers, the
+    final norm and the LM head."""
+    step_weights = torch.nn.ModuleList([model.layers, model.norm, model.lm_head])
+    return list(step_weights.parameters()) + list(step_weights.buffers())
+
+
+def paired_decode(llm, prompt: list[int], steps: int, step_bytes: int) -> dict:
+    """``paired_fractions`` of one request's ``steps`` decode steps (``engine.step``: scheduling
+    and sampling included), each against a read of the step's weight storages and the whole KV
+    pool, which ``scale.build_llm`` sizes to the request.
+
+    Raises:
+        RuntimeError: if the request ends before its prefill gives a token.
+    """
+    engine = llm.llm_engine
+    views = storage_views(step_weight_tensors(engine.model)
+                          + [cache for layer in engine.model_runner.kv_caches for cache in layer])
+    engine.add_request("paired-decode", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+    while not any(o.outputs and o.outputs[0].token_ids for o in engine.step()):
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("the request ended before its first token")
+    return paired_fractions(engine.step, views, step_bytes, steps)
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:

@@ -103,3 +103,30 @@ def test_scale_benchmark_smoke_run_on_the_tiny_config(tmp_path):
     assert [row["context"] for row in results["single_stream"]] == [256]  # 50000 is over the model's 40960
     assert results["throughput"]["num_requests"] == 3
     assert json.loads((tmp_path / "out.json").read_text())["single_stream"][0]["context"] == 256
+
+
+def test_roofline_pairs_each_decode_step_with_a_read_of_its_bytes():
+    """``bench/roofline.py``'s paired decode on the tiny config: one fraction per decode step,
+    every one a real ratio of rates, the read covering each storage of the step's weights and the
+    KV pool once, and the request's blocks back in the pool afterwards."""
+    import roofline
+
+    parser = argparse.ArgumentParser()
+    scale.add_model_arguments(parser)
+    args = parser.parse_args(["--config", str(BENCH / "configs" / "tiny-llama.json"), "--dtype", "float32"])
+    llm = scale.build_llm(args, 64 + 8, -(-(64 + 8) // scale.BLOCK_SIZE) + 1)
+    engine = llm.llm_engine
+    weights = roofline.step_weight_tensors(engine.model)
+    caches = [cache for layer in engine.model_runner.kv_caches for cache in layer]
+    views = roofline.storage_views(weights + caches + caches[:1])  # a storage named twice is read once
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in weights + caches}
+    assert len(views) == len(storages)
+    assert sum(view.nbytes for view in views) == sum(nbytes // 4 * 4 for nbytes in storages.values())
+    step_bytes = roofline.decode_weight_bytes(engine.model) + 64 * engine.bytes_per_block // scale.BLOCK_SIZE
+    paired = roofline.paired_decode(llm, scale._prompt(64, engine.model_config.vocab_size, 1), 5, step_bytes)
+    assert len(paired["fractions"]) == 5
+    assert all(0 < fraction < float("inf") for fraction in paired["fractions"])
+    assert min(paired["fractions"]) <= paired["median"] <= max(paired["fractions"])
+    assert not engine.has_unfinished_requests()
+    pool = engine.kv_cache_manager.block_pool
+    assert pool.num_used_blocks == 0 and pool.num_free_blocks == pool.num_blocks
