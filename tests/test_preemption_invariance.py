@@ -139,3 +139,48 @@ def test_smollm2_bf16_greedy_and_seeded_outputs_survive_preemption(kernel, monke
         assert small.llm_engine.scheduler.num_preemptions > before
         assert preempted == alone
         assert small.llm_engine.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("quantization", [None, "w8a8"])
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_prompt_token_computed_alone_gives_the_same_samples(kernel, quantization, batch_invariant, monkeypatch):
+    """Prompts of 17, 33 and 49 tokens (blocks of 16) prefilled whole, in chunks of 16 (the
+    last chunk one token) and after a prefix-cache hit on all their full blocks (one token left
+    to compute): the same seeded tokens and bitwise the same logprobs all three ways. Found by
+    a new user (2026-12-07, Zen 4, SmolLM2 in bf16 by default): a one-token prompt chunk ran as a
+    decode row through the exact decode kernel where the other prompt rows ran the bf16 prefill
+    kernel, and a chat prompt's first-token logprob moved by 0.011."""
+    if batch_invariant:
+        monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", "1")
+    else:
+        monkeypatch.delenv("PAGEDLLM_BATCH_INVARIANT", raising=False)
+        if amx_preferred():
+            pytest.skip("on CPUs with AMX invariance needs PAGEDLLM_BATCH_INVARIANT=1 (oneDNN's AMX matmul)")
+    config = tiny_config(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=64)
+    model = build_model(config, tiny_state_dict(config, seed=4), torch.bfloat16, quantization,
+                        calibration_token_ids=list(range(64)) if quantization == "w8a8" else None)
+    rng = random.Random(33)
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(length)] for length in (17, 33, 49)]
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True, logprobs=1)
+
+    def run_alone(budget: int, prefix_caching: bool, repeats: int):
+        model.fused_decode.invalidate()
+        engine = LLMEngine(EngineArgs.from_kwargs(
+            dtype="bfloat16", block_size=16, num_gpu_blocks_override=16, max_model_len=64, max_num_seqs=4,
+            max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching), model=model, tokenizer=None)
+        results = []
+        for index, prompt in enumerate(prompts):
+            for repeat in range(repeats):
+                hits = engine.kv_cache_manager.prefix_cache_hits
+                engine.add_request(f"{index}-{repeat}", prompt, params)
+                output = run_to_completion(engine)[f"{index}-{repeat}"].outputs[0]
+                if repeat:
+                    assert engine.kv_cache_manager.prefix_cache_hits - hits == len(prompt) - 1
+            results.append((output.token_ids, [lp[t].logprob for lp, t in zip(output.logprobs, output.token_ids)]))
+        assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+        return results
+
+    whole = run_alone(64, False, 1)
+    assert run_alone(16, False, 1) == whole
+    assert run_alone(64, True, 2) == whole

@@ -271,8 +271,8 @@ class ModelRunner:
         # rows too, one per token, row j seeing the context up to its own position: the KV of
         # every row is written before any row attends, so each row is computed exactly as
         # one-token decoding would compute it (greedy output stays the same token for token).
-        decodes = [r for r in batch.requests if r.num_new_tokens == 1 or r.spec_token_ids]
-        prefills = [r for r in batch.requests if r.num_new_tokens > 1 and not r.spec_token_ids]
+        decodes = [r for r in batch.requests if _is_decode_row(r)]
+        prefills = [r for r in batch.requests if not _is_decode_row(r)]
         lora_mapping = None
         if any(r.lora_request is not None for r in batch.requests):
             # Rows of one adapter side by side (the sort is stable): most groups are one range,
@@ -307,7 +307,7 @@ class ModelRunner:
                 spec_rows.append((request, row))
                 decode_rows.extend((request, p + 1) for p in range(start, end))
                 continue
-            if num_new == 1:
+            if _is_decode_row(request):
                 decode_rows.append((request, end))
             else:
                 prefill_seqs.append(PrefillSequence(row, row + num_new, end,
@@ -354,6 +354,21 @@ class ModelRunner:
                                                      top_ids.tolist(), top_values.tolist()):
                 records.append(TokenLogprobs([token] + ids, [value] + tops, [rank] + list(range(1, num_top + 1))))
         return records
+
+
+def _is_decode_row(request: ScheduledRequest) -> bool:
+    """Whether ``request``'s rows this step run as decode rows (the batched decode attention,
+    the fused decode layers): drafts being verified, or one new token that is not a prompt
+    token. A prompt token computed alone (a 1-token chunk, a prefix-cache hit that leaves the
+    last prompt token) is a 1-row prefill: on AVX512_BF16 CPUs bf16 prompt rows run the bf16
+    prefill kernel, and its row must not depend on how the prompt was cut (a chat prompt of
+    33 tokens in chunks of 16 gave its first token a logprob 0.011 away from the whole prompt's
+    when its last token went through the decode kernel)."""
+    if request.spec_token_ids:
+        return True
+    if request.num_new_tokens != 1:
+        return False
+    return request.num_prompt_tokens is None or request.num_computed_tokens >= request.num_prompt_tokens
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
