@@ -40,6 +40,7 @@ from pagedllm.utils import cdiv
 if TYPE_CHECKING:
     from pagedllm.engine.input_processor import PromptType
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.lora.request import LoRARequest
 
 
 @dataclass
@@ -116,8 +117,9 @@ class _Group:
 
 
 def beam_search(engine: "LLMEngine", prompts: list["PromptType"],
-                params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Run beam search for every prompt on ``engine``'s model and KV cache.
+                params: BeamSearchParams, lora_request: Optional["LoRARequest"] = None) -> list[BeamSearchOutput]:
+    """Run beam search for every prompt on ``engine``'s model and KV cache, with the LoRA
+    adapter ``lora_request`` (None: the base model; forked beams keep their parent's).
 
     Prompts run together in waves whose worst-case KV need (``beam_width`` sequences of
     ``prompt + max_tokens`` tokens each) fits the pool and whose beams fit ``max_num_seqs``.
@@ -147,7 +149,7 @@ def beam_search(engine: "LLMEngine", prompts: list["PromptType"],
             raise ValueError(f"beam search over a {len(ids)}-token prompt needs up to {need} KV blocks "
                              f"(beam_width={params.beam_width} x {len(ids) + params.max_tokens} tokens) "
                              f"but the KV cache has {num_blocks} blocks of {block_size} tokens")
-    search = _BeamSearch(engine, params)
+    search = _BeamSearch(engine, params, lora_request)
     outputs: list[BeamSearchOutput] = []
     start = 0
     while start < len(token_lists):
@@ -171,9 +173,11 @@ def _prompt_token_ids(engine: "LLMEngine", prompt: "PromptType", max_tokens: int
 
 
 class _BeamSearch:
-    def __init__(self, engine: "LLMEngine", params: BeamSearchParams) -> None:
+    def __init__(self, engine: "LLMEngine", params: BeamSearchParams,
+                 lora_request: Optional["LoRARequest"] = None) -> None:
         self.engine = engine
         self.params = params
+        self.lora_request = lora_request
         self.vocab_size = engine.input_processor.model_info.vocab_size
         self.eos_token_id = None if params.ignore_eos else engine.eos_token_id
         self._ids = itertools.count()
@@ -195,7 +199,8 @@ class _BeamSearch:
             for ids in token_lists:
                 beam = _Beam(self._new_id(), list(ids), 0.0)
                 groups.append(_Group([beam]))
-                self.engine.add_request(beam.request_id, {"prompt_token_ids": ids}, self._sampling_params)
+                self.engine.add_request(beam.request_id, {"prompt_token_ids": ids}, self._sampling_params,
+                                        lora_request=self.lora_request)
             while any(not group.done for group in groups):
                 newest = {}
                 for output in self.engine.step():

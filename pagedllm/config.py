@@ -44,8 +44,11 @@ _QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8") + _CHECKPOINT_QUANTIZATIONS
 # model from its config.json with random weights (models/dummy.py).
 _LOAD_FORMATS = ("auto", "dummy")
 
-# vLLM options that pagedllm accepts because they change nothing here.
-_NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "tokenizer_mode"}
+# vLLM options that pagedllm accepts because they change nothing here: no CUDA graphs to
+# capture or skip, no GPU blocks to swap to CPU memory (preemption recomputes), chunked prefill
+# always on (enable_chunked_prefill=False is refused in from_kwargs).
+_NO_OP_OPTIONS = {"enforce_eager", "trust_remote_code", "disable_log_stats", "tokenizer_mode", "swap_space",
+                  "max_seq_len_to_capture", "enable_chunked_prefill"}
 
 # The HTTP server's limit on a request body, bytes (--max-request-body-bytes): a 32k-token
 # prompt is ~0.3 MB as token ids, a batch of 256 such prompts as text ~30 MB.
@@ -350,6 +353,9 @@ class EngineArgs:
             value = kwargs.pop("gpu_memory_utilization")
             if value is not None:
                 kwargs["memory_utilization"] = value
+        if kwargs.get("enable_chunked_prefill") is False:
+            raise ValueError("enable_chunked_prefill=False is not supported: pagedllm always splits prompts "
+                             "longer than max_num_batched_tokens into chunks")
         names = {f.name for f in dataclasses.fields(cls)}
         for key in list(kwargs):
             if key in _NO_OP_OPTIONS:

@@ -43,13 +43,14 @@ class LLM:
         return self.llm_engine.get_kv_cache_stats()
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+                    params: BeamSearchParams, lora_request: Optional[LoRARequest] = None) -> list[BeamSearchOutput]:
         """Beam search for each prompt, equal to ``transformers``' ``generate(num_beams=...,
         early_stopping=False)``; beams share KV blocks by fork and copy-on-write.
 
         Args:
             prompts: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of those.
             params: beam width, max_tokens, length_penalty, ignore_eos.
+            lora_request: the LoRA adapter every beam runs with (``enable_lora``), or None.
 
         Returns:
             One ``BeamSearchOutput`` per prompt, its ``beam_width`` sequences best first.
@@ -59,7 +60,9 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        return beam_search(self.llm_engine, list(prompts), params)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest or None, got {lora_request!r}")
+        return beam_search(self.llm_engine, list(prompts), params, lora_request)
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -97,7 +100,9 @@ class LLM:
         if lora_request is None or isinstance(lora_request, LoRARequest):
             lora_list = [lora_request] * len(prompts)
         else:
-            lora_list = list(lora_request)
+            lora_list = [] if isinstance(lora_request, str) else list(lora_request)
+            if isinstance(lora_request, str) or any(not isinstance(r, (LoRARequest, type(None))) for r in lora_list):
+                raise ValueError(f"lora_request must be a LoRARequest, None or a list of those, got {lora_request!r}")
             if len(lora_list) != len(prompts):
                 raise ValueError(f"got {len(lora_list)} lora_requests for {len(prompts)} prompts")
         return self._run(prompts, params_list, use_tqdm, lora_list)
@@ -134,8 +139,8 @@ class LLM:
         """Token ids of a conversation through the chat template (special tokens added once).
 
         Raises:
-            ValueError: an empty conversation, a malformed message, or text too long for
-                ``max_model_len`` (refused before it is tokenized).
+            ValueError: a model without a chat template, an empty conversation, a malformed
+                message, or text too long for ``max_model_len`` (refused before it is tokenized).
         """
         if not conversation:
             raise ValueError("a conversation is empty: give at least one {'role', 'content'} message")
@@ -144,6 +149,8 @@ class LLM:
                 raise ValueError(f"message {index} must be a dict with a string 'role', got {message!r}")
         conversation = [{**m, "content": m.get("content") or ""} for m in conversation]
         tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template (a base model): use generate() with a prompt")
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message)

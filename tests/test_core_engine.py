@@ -222,7 +222,8 @@ def test_b09_prompt_longer_than_token_budget_is_chunked():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer, got 0"),
-    (dict(swap_space=4), "'swap_space' is not supported"),
+    (dict(distributed_executor_backend="ray"), "'distributed_executor_backend' is not supported"),
+    (dict(enable_chunked_prefill=False), "enable_chunked_prefill=False is not supported"),
     (dict(dtype="int3"), "dtype must be one of"),
     (dict(max_num_seqs=0), "max_num_seqs must be a positive integer, got 0"),
     (dict(max_num_batched_tokens=8, max_num_seqs=16), "max_num_batched_tokens \\(8\\) must be >= max_num_seqs"),
@@ -230,6 +231,14 @@ def test_b09_prompt_longer_than_token_budget_is_chunked():
 def test_unsupported_or_invalid_options_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs.from_kwargs(**kwargs)
+
+
+def test_vllm_options_that_change_nothing_here_are_accepted():
+    """A vLLM configuration's GPU-only knobs and ``enable_chunked_prefill=True`` (always on here)
+    build the same arguments as without them (a new user's vLLM script was refused)."""
+    plain = EngineArgs.from_kwargs(max_model_len=64)
+    assert EngineArgs.from_kwargs(max_model_len=64, enable_chunked_prefill=True, swap_space=4,
+                                  max_seq_len_to_capture=8192, enforce_eager=True) == plain
 
 
 @pytest.mark.parametrize("prompt, message", [

@@ -287,6 +287,9 @@ def test_gemma3_270m_served(gemma_llm, tmp_path):
         assert chat.status_code == 400 and "no chat template" in chat.text
     finally:
         assert server.stop() == 0, (tmp_path / "server.log").read_text()
+    # Offline too, a ValueError of ours rather than transformers' own (a new user's report).
+    with pytest.raises(ValueError, match="this model has no chat template"):
+        gemma_llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)
 
 
 @pytest.mark.parametrize("key,value,message", [

@@ -260,6 +260,35 @@ def test_offline_llm_api_takes_lora_requests(tiny_adapters):
         references[2][0], references[2][1], references[-1][0], references[0][1]]
     with pytest.raises(ValueError, match="got 1 lora_requests for 2 prompts"):
         llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, lora_request=[requests[0]])
+    # An adapter's name is not a request (a new user's try: it read as 2 requests for 1 prompt).
+    for wrong in ("a8", ["a8"]):
+        with pytest.raises(ValueError, match="lora_request must be a LoRARequest, None or a list of those"):
+            llm.generate([{"prompt_token_ids": prompts[0]}], params, lora_request=wrong)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_beam_search_runs_with_an_adapter(tiny_adapters):
+    """``LLM.beam_search(..., lora_request=...)`` as vLLM's: one beam (greedy) gives each
+    adapter's HF + PEFT greedy tokens, and two beams (forks keep their parent's adapter) are
+    sequences of that adapter's model, different from the base model's."""
+    from pagedllm import LLM, BeamSearchParams
+
+    requests, prompts, references = tiny_adapters
+    llm = LLM.__new__(LLM)
+    llm.llm_engine = tiny_lora_engine()
+    llm._counter = iter(range(1000))
+    prompt = {"prompt_token_ids": prompts[0]}
+    greedy = BeamSearchParams(beam_width=1, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for lora, expected in [(requests[0], references[0][0]), (requests[1], references[1][0]), (None, references[-1][0])]:
+        (output,) = llm.beam_search([prompt], greedy, lora_request=lora)
+        assert output.sequences[0].tokens == prompts[0] + expected
+    two = BeamSearchParams(beam_width=2, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with_adapter = llm.beam_search([prompt], two, lora_request=requests[0])[0].sequences
+    base = llm.beam_search([prompt], two)[0].sequences
+    assert [s.tokens for s in with_adapter] != [s.tokens for s in base]
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest or None"):
+        llm.beam_search([prompt], greedy, lora_request="a8")
+    assert llm.llm_engine.kv_cache_manager.block_pool.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -295,6 +324,18 @@ def test_refused_options(tmp_path, tiny_engine_factory):
     with pytest.raises(ValueError, match="no adapter_model.safetensors"):
         engine.add_request("r", [1, 2], SamplingParams(max_tokens=2), lora_request=LoRARequest("a", 1, str(tmp_path)))
     assert not engine.has_unfinished_requests()
+
+
+def test_a_truncated_weights_file_is_a_value_error(tmp_path):
+    """A new user's case: an adapter whose safetensors file was cut short raised safetensors'
+    own error offline (a 400 over HTTP); it is a ValueError naming the file."""
+    make_adapter(hf_tiny_model(), tmp_path, rank=8, seed=1, target_modules=["q_proj", "v_proj"])
+    weights = tmp_path / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    engine = tiny_lora_engine()
+    with pytest.raises(ValueError, match="adapter_model.safetensors is not a readable safetensors file"):
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2), lora_request=LoRARequest("a", 1, str(tmp_path)))
+    assert not engine.has_unfinished_requests() and engine.list_loras() == set()
 
 
 @pytest.mark.slow

@@ -126,7 +126,8 @@ class LoRAModel:
         ``lora_alpha / r`` (``/ sqrt(r)`` under ``use_rslora``).
 
         Raises:
-            ValueError: a missing folder or file; what ``check_peft_config`` refuses; a tensor
+            ValueError: a missing folder or file; a weights file safetensors cannot read (truncated,
+                not safetensors); what ``check_peft_config`` refuses; a tensor
                 that is not the ``lora_A``/``lora_B`` weight of a target module (embeddings, the
                 LM head, other layers); a layer index or shape the base model does not have; a
                 module with only one of its two tensors; a module rank above ``max_lora_rank``.
@@ -148,7 +149,12 @@ class LoRAModel:
         use_rslora = bool(peft_config.get("use_rslora"))
         shapes = module_shapes(config)
         tensors: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        for name, tensor in load_file(str(weights_path)).items():
+        try:
+            state_dict = load_file(str(weights_path))
+        except Exception as exc:  # safetensors raises its own SafetensorError (and OSError) on a bad file
+            raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_NAME} is not a readable safetensors file: "
+                             f"{exc}") from None
+        for name, tensor in state_dict.items():
             match = _TENSOR_NAME.match(name)
             if match is None:
                 raise ValueError(f"LoRA adapter {path!r}: tensor {name!r} is not the lora_A/lora_B weight of a "
