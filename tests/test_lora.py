@@ -365,6 +365,43 @@ def test_smollm2_adapters_and_base_in_one_batch_equal_peft(tmp_path):
     assert any(len(mapping.ranges) == 2 for mapping, _ in steps)
 
 
+@pytest.mark.slow
+def test_smollm2_bf16_adapter_rows_equal_alone_bitwise(tmp_path):
+    """SmolLM2-135M in bf16 (the default dtype on AVX512_BF16 CPUs), a new user's case: 8
+    requests of 3 adapters and the base batched, against each alone: the same tokens and
+    bitwise the same logprobs. With the LoRA products in torch's bf16 matmul, 3 of 10 such
+    requests differed (one diverged at its 49th token): the tiles compute each row alone."""
+    from transformers import LlamaForCausalLM as HFLlama
+
+    from pagedllm.models.loader import model_folder, resolve_model_path
+
+    hf = HFLlama.from_pretrained(str(model_folder(resolve_model_path(None))), dtype=torch.float32).eval()
+    specs = [dict(rank=8, seed=21, target_modules=ALL_TARGETS, scale=0.03),
+             dict(rank=16, seed=22, target_modules=["q_proj", "v_proj"], scale=0.03),
+             dict(rank=4, seed=23, target_modules=ALL_TARGETS, use_rslora=True, scale=0.03)]
+    requests = []
+    for index, spec in enumerate(specs):
+        make_adapter(hf, tmp_path / f"a{index}", **spec).unload()
+        requests.append(LoRARequest(f"a{index}", index + 1, str(tmp_path / f"a{index}")))
+    del hf
+    engine = LLMEngine(EngineArgs.from_kwargs(dtype="bfloat16", enable_lora=True, max_loras=3, max_lora_rank=16,
+                                              kv_cache_memory_bytes=64 * 2**20, max_model_len=256,
+                                              enable_prefix_caching=False))
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=0)
+    jobs = [(engine.tokenizer.encode(f"Story {i}: Once upon a time in a land far away, there lived a"),
+             [*requests, None][i % 4]) for i in range(8)]
+
+    def run(batch):
+        for index, (prompt, lora) in enumerate(batch):
+            engine.add_request(f"r{index}", {"prompt_token_ids": prompt}, params, lora_request=lora)
+        finals = run_to_completion(engine)
+        outputs = [finals[f"r{index}"].outputs[0] for index in range(len(batch))]
+        return [(o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]) for o in outputs]
+
+    assert run(jobs) == [run([job])[0] for job in jobs]
+    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
 def test_stats_name_running_and_waiting_adapters(tiny_adapters):
     """``make_stats`` (what ``vllm:lora_requests_info`` reads): after one step under
     max_loras=1, the first adapter's sequence runs and the second's waits."""

@@ -10,7 +10,11 @@ slice's ranks by its ``B^T`` into that slice's output columns, times its scaling
 place. A group whose rows are one contiguous range (the model runner orders rows by adapter)
 is a view; otherwise its rows are gathered and the products scattered back (``index_add_``).
 Arithmetic per slice is PEFT's ``base(x) + lora_B(lora_A(x)) * scaling``, in the compute
-dtype of the activations (fp32 or bf16).
+dtype of the activations (fp32 or bf16). In bf16, with the C++ ops, both products run the
+``bf16_linear`` tiles (``layers/linear.py``), which compute each row alone, so a row's LoRA term
+does not depend on how many rows of its adapter share the step (torch's bf16 matmul sums in an
+order that does: 1 of 16 tiny-model requests changed its logprobs between batched and alone).
+A and B are zero-padded to the tiles' 32 output channels, which adds exact zeros only.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
+from pagedllm.layers.custom_op import native_ops
+from pagedllm.layers.linear import BF16_TILE, bf16_linear, block_bf16
 from pagedllm.lora.models import LoRAModel, module_shapes
 
 # Fused projection (path inside a decoder layer) -> the HF modules it concatenates, in order.
@@ -43,6 +49,8 @@ class ExpandSlice:
         out_start, out_end: its output columns of the fused projection.
         b_t: ``B^T``, ``[rank, out_end - out_start]`` in the compute dtype.
         scaling: ``lora_alpha / r`` (or ``/ sqrt(r)``).
+        b_blocked: ``B`` zero-padded to a multiple of 32 rows, in ``bf16_linear``'s tiles
+            (``block_bf16``), or None (then ``b_t`` through ``torch.mm``).
     """
 
     rank_start: int
@@ -51,6 +59,7 @@ class ExpandSlice:
     out_end: int
     b_t: torch.Tensor
     scaling: float
+    b_blocked: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -60,10 +69,20 @@ class PackedLoRA:
     Attributes:
         a_t: the concatenated ``A^T`` of the targeted slices, ``[in_features, r_total]``.
         slices: the targeted slices (a module the adapter does not target has none).
+        a_blocked: ``A`` zero-padded to a multiple of 32 rows in ``bf16_linear``'s tiles, or
+            None: set, with every slice's ``b_blocked``, for bf16 with the C++ ops built where
+            ``in_features`` and every rank are even (the tiles take input pairs).
     """
 
     a_t: torch.Tensor
     slices: list[ExpandSlice]
+    a_blocked: Optional[torch.Tensor] = None
+
+
+def _padded_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` bf16 (K even) zero-padded to N a multiple of 32, as ``block_bf16`` tiles."""
+    rows = -(-weight.shape[0] // BF16_TILE) * BF16_TILE
+    return block_bf16(torch.cat([weight, weight.new_zeros(rows - weight.shape[0], weight.shape[1])]))
 
 
 def pack_adapter(lora_model: LoRAModel, config, dtype: torch.dtype) -> dict[tuple[int, str], PackedLoRA]:
@@ -83,7 +102,14 @@ def pack_adapter(lora_model: LoRAModel, config, dtype: torch.dtype) -> dict[tupl
                     rank += weights.rank
                 out += out_size
             if slices:
-                packed[(layer, path)] = PackedLoRA(torch.cat(a_parts).t().contiguous().to(dtype), slices)
+                lora = PackedLoRA(torch.cat(a_parts).t().contiguous().to(dtype), slices)
+                tiles = (dtype == torch.bfloat16 and native_ops() is not None and lora.a_t.shape[0] % 2 == 0
+                         and all((part.rank_end - part.rank_start) % 2 == 0 for part in slices))
+                if tiles:
+                    lora.a_blocked = _padded_tiles(lora.a_t.t())
+                    for part in slices:
+                        part.b_blocked = _padded_tiles(part.b_t.t())
+                packed[(layer, path)] = lora
     return packed
 
 
@@ -99,9 +125,17 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, groups: Sequence[tuple[PackedLoRA
     for packed, rows in groups:
         contiguous = isinstance(rows, slice)
         x_rows = x[rows] if contiguous else x.index_select(0, rows)
-        shrunk = torch.mm(x_rows, packed.a_t)
+        tiles = packed.a_blocked is not None and x.dtype == torch.bfloat16
+        if tiles:
+            shrunk = bf16_linear(x_rows.contiguous(), packed.a_blocked, None)[:, :packed.a_t.shape[1]]
+        else:
+            shrunk = torch.mm(x_rows, packed.a_t)
         for part in packed.slices:
-            delta = torch.mm(shrunk[:, part.rank_start:part.rank_end], part.b_t).mul_(part.scaling)
+            if tiles:
+                delta = bf16_linear(shrunk[:, part.rank_start:part.rank_end].contiguous(), part.b_blocked,
+                                    None)[:, :part.out_end - part.out_start].mul_(part.scaling)
+            else:
+                delta = torch.mm(shrunk[:, part.rank_start:part.rank_end], part.b_t).mul_(part.scaling)
             if contiguous:
                 y[rows, part.out_start:part.out_end].add_(delta)
             else:
