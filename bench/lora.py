@@ -26,7 +26,8 @@ import torch
 
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantization import Int4Linear, Int8Linear
-from pagedllm.lora.layers import FUSED_MODULES, ExpandSlice, LoRAContext, LoRALinear, PackedLoRA, add_lora
+from pagedllm.lora.layers import (FUSED_MODULES, ExpandSlice, LoRAContext, LoRALinear, PackedLoRA, add_lora,
+                                  tile_for_bf16)
 from pagedllm.platform import keep_freed_memory_mapped
 
 HIDDEN, Q, KV, INTERMEDIATE, NUM_LAYERS = 576, 576, 192, 1536, 30
@@ -42,7 +43,8 @@ def random_packed(generator: torch.Generator, in_features: int, out_sizes: list[
         slices.append(ExpandSlice(index * rank, (index + 1) * rank, out, out + size, b_t, 2.0))
         out += size
     a_t = (torch.randn(in_features, rank * len(out_sizes), generator=generator) * 0.01).to(dtype)
-    return PackedLoRA(a_t, slices)
+    packed = PackedLoRA(a_t, slices)
+    return tile_for_bf16(packed)  # as pack_adapter does: bf16 products on the tiles
 
 
 def build_layers(base_kind: str, dtype: torch.dtype, num_adapters: int, rank: int):

@@ -102,15 +102,20 @@ def pack_adapter(lora_model: LoRAModel, config, dtype: torch.dtype) -> dict[tupl
                     rank += weights.rank
                 out += out_size
             if slices:
-                lora = PackedLoRA(torch.cat(a_parts).t().contiguous().to(dtype), slices)
-                tiles = (dtype == torch.bfloat16 and native_ops() is not None and lora.a_t.shape[0] % 2 == 0
-                         and all((part.rank_end - part.rank_start) % 2 == 0 for part in slices))
-                if tiles:
-                    lora.a_blocked = _padded_tiles(lora.a_t.t())
-                    for part in slices:
-                        part.b_blocked = _padded_tiles(part.b_t.t())
-                packed[(layer, path)] = lora
+                packed[(layer, path)] = tile_for_bf16(PackedLoRA(torch.cat(a_parts).t().contiguous().to(dtype),
+                                                                 slices))
     return packed
+
+
+def tile_for_bf16(lora: PackedLoRA) -> PackedLoRA:
+    """Set ``lora``'s ``a_blocked`` and its slices' ``b_blocked`` (in place; returns it) where
+    they apply: bf16, the C++ ops built, ``in_features`` and every rank even."""
+    if (lora.a_t.dtype == torch.bfloat16 and native_ops() is not None and lora.a_t.shape[0] % 2 == 0
+            and all((part.rank_end - part.rank_start) % 2 == 0 for part in lora.slices)):
+        lora.a_blocked = _padded_tiles(lora.a_t.t())
+        for part in lora.slices:
+            part.b_blocked = _padded_tiles(part.b_t.t())
+    return lora
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, groups: Sequence[tuple[PackedLoRA, Rows]]) -> torch.Tensor:
