@@ -326,6 +326,23 @@ def test_refused_options(tmp_path, tiny_engine_factory):
     assert not engine.has_unfinished_requests()
 
 
+def test_config_rank_must_match_the_tensors(tmp_path):
+    """An ``adapter_config.json`` whose ``r`` is not its tensors' rank (PEFT refuses to load it;
+    the scaling ``lora_alpha / r`` would be wrong) is refused, as is a rank above the limit,
+    both naming the adapter's folder (new-user reports)."""
+    make_adapter(hf_tiny_model(), tmp_path, rank=8, seed=1, target_modules=["q_proj", "v_proj"])
+    config_path = tmp_path / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    engine = tiny_lora_engine()
+    for r, match in [(4, "layer 0 q_proj has rank 8 but adapter_config.json says r=4"),
+                     (32, "rank r=32 exceeds max_lora_rank=16")]:
+        config_path.write_text(json.dumps({**config, "r": r}))
+        with pytest.raises(ValueError, match=f"LoRA adapter '{tmp_path}': .*{match}"):
+            engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2),
+                               lora_request=LoRARequest("a", 1, str(tmp_path)))
+    assert not engine.has_unfinished_requests() and engine.list_loras() == set()
+
+
 def test_a_truncated_weights_file_is_a_value_error(tmp_path):
     """A new user's case: an adapter whose safetensors file was cut short raised safetensors'
     own error offline (a 400 over HTTP); it is a ValueError naming the file."""

@@ -127,7 +127,8 @@ class LoRAModel:
 
         Raises:
             ValueError: a missing folder or file; a weights file safetensors cannot read (truncated,
-                not safetensors); what ``check_peft_config`` refuses; a tensor
+                not safetensors); what ``check_peft_config`` refuses (named with the adapter's
+                path); a module whose tensors' rank is not ``r`` where no ``rank_pattern`` is set; a tensor
                 that is not the ``lora_A``/``lora_B`` weight of a target module (embeddings, the
                 LM head, other layers); a layer index or shape the base model does not have; a
                 module with only one of its two tensors; a module rank above ``max_lora_rank``.
@@ -144,7 +145,10 @@ class LoRAModel:
             peft_config = json.loads(config_path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"LoRA adapter {path!r}: {CONFIG_NAME} is not readable JSON: {exc}") from None
-        check_peft_config(peft_config, max_lora_rank)
+        try:
+            check_peft_config(peft_config, max_lora_rank)
+        except ValueError as exc:
+            raise ValueError(f"LoRA adapter {path!r}: {exc}") from None
         alpha = peft_config.get("lora_alpha", peft_config["r"])
         use_rslora = bool(peft_config.get("use_rslora"))
         shapes = module_shapes(config)
@@ -176,6 +180,11 @@ class LoRAModel:
                 raise ValueError(f"LoRA adapter {path!r}: layer {layer} {module} has lora_A {tuple(lora_a.shape)} "
                                  f"and lora_B {tuple(lora_b.shape)}; the base model needs ({rank}, {in_features}) "
                                  f"and ({out_features}, {rank})")
+            if not peft_config.get("rank_pattern") and rank != peft_config["r"]:
+                # PEFT would not load it (its modules are built with rank r), and the scaling
+                # lora_alpha / r would not be the one it was trained with.
+                raise ValueError(f"LoRA adapter {path!r}: layer {layer} {module} has rank {rank} but "
+                                 f"{CONFIG_NAME} says r={peft_config['r']} (and no rank_pattern)")
             if rank > max_lora_rank:
                 raise ValueError(f"LoRA adapter {path!r}: layer {layer} {module} has rank {rank}, above "
                                  f"max_lora_rank={max_lora_rank}")
