@@ -281,6 +281,20 @@ def test_stream_options_with_stream_true_still_work(tiny_server):
         events = sse_events(stream.iter_lines())
     assert events[-1] == "[DONE]"
     assert events[-2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert all(event["usage"] is None for event in events[:-2])
+
+
+def test_continuous_usage_stats_in_completions(tiny_server):
+    """With ``continuous_usage_stats`` (vLLM's) every completions chunk carries the usage so far."""
+    with httpx.stream("POST", tiny_server.url + "/v1/completions", timeout=30, json={
+            "prompt": [1, 2], "max_tokens": 3, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as stream:
+        events = sse_events(stream.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    so_far = [event["usage"]["completion_tokens"] for event in events[:-2]]  # tokens may come several a chunk
+    assert so_far == sorted(so_far) and so_far[0] >= 1 and so_far[-1] == 3
+    assert all(event["usage"]["prompt_tokens"] == 2 for event in events[:-1])
 
 
 COMPLETION_INTS = ["max_tokens", "n", "logprobs", "seed", "top_k", "min_tokens", "best_of", "prompt_logprobs"]

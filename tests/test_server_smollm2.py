@@ -48,3 +48,24 @@ def test_b30_streamed_n2_chat_ending_naturally(reference_and_server):
     assert finish == {0: "stop", 1: "stop"}
     assert texts == {0: expected.text, 1: expected.text}
     assert usage["completion_tokens"] == 2 * len(expected.token_ids)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(reference_and_server):
+    """vLLM's ``stream_options.continuous_usage_stats`` (a new user found it accepted and
+    ignored): every chat chunk carries the prompt's tokens and the completion's so far, the role
+    chunk none of the completion's yet, and the last usage chunk the totals."""
+    expected, server = reference_and_server
+    body = {"model": "smollm2", "messages": CAPITAL, "temperature": 0, "max_tokens": 40, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as response:
+        events = sse_events(response.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
+    assert chunks[-1]["usage"]["completion_tokens"] == len(expected.token_ids)
+    assert chunks[0]["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                                  "total_tokens": prompt_tokens}
+    so_far = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+    assert so_far == sorted(so_far) and 0 < so_far[1] and so_far[-2] == len(expected.token_ids)
+    assert all(chunk["usage"]["total_tokens"] == prompt_tokens + chunk["usage"]["completion_tokens"]
+               for chunk in chunks)

@@ -37,7 +37,11 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
+    """``include_usage``: a last chunk with the usage (OpenAI's); ``continuous_usage_stats``
+    (vLLM's): with ``include_usage``, every chunk carries the usage so far too."""
+
     include_usage: Optional[Bool] = False
+    continuous_usage_stats: Optional[Bool] = False
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -154,6 +158,12 @@ class _SamplingFields(OpenAIBaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far (vLLM's ``continuous_usage_stats``,
+        which takes effect with ``include_usage``)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingFields):

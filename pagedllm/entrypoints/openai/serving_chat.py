@@ -98,7 +98,7 @@ class OpenAIServingChat(OpenAIServing):
                                        request.priority, request.model)
         request_id, streams = submission.response_id, submission.streams
         if request.stream:
-            chunks = self._stream(request, request_id, created, streams[0], mode, named)
+            chunks = self._stream(request, request_id, created, streams[0], mode, named, len(token_ids))
             return SSEResponse(sse_with_errors(chunks), submission.close)
 
         async def respond() -> Response:
@@ -147,7 +147,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
                       stream: OutputStream, mode: str = "none",
-                      named: Optional[dict] = None) -> AsyncIterator[str]:
+                      named: Optional[dict] = None, num_prompt_tokens: int = 0) -> AsyncIterator[str]:
         """Chunks as OpenAI streams them. With tools: a named function's arguments stream as
         ``delta.tool_calls[0].function.arguments`` pieces (the first delta carries id, type
         and name); ``auto`` streams content until a ``<tool_call>`` begins, ``required``
@@ -158,14 +158,17 @@ class OpenAIServingChat(OpenAIServing):
                     "model": self.response_model(request.model),
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                  "finish_reason": finish_reason, "stop_reason": stop_reason}]}
-            if request.include_usage:
+            if request.continuous_usage:
+                body["usage"] = usage([final]) if final is not None else \
+                    {"prompt_tokens": num_prompt_tokens, "completion_tokens": 0, "total_tokens": num_prompt_tokens}
+            elif request.include_usage:
                 body["usage"] = None
             return sse(body)
 
+        final: Optional[RequestOutput] = None
         states = [ChoiceState(index) for index in range(request.n)]
         for state in states:
             yield chunk(state.index, {"role": "assistant", "content": ""})
-        final: Optional[RequestOutput] = None
         async for _, output in merge_streams([stream]):
             final = output
             for completion in output.outputs:

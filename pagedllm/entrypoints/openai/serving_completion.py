@@ -95,7 +95,9 @@ class OpenAIServingCompletion(OpenAIServing):
             body = {"id": request_id, "object": "text_completion", "created": created, "model": self.response_model(request.model),
                     "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                  "finish_reason": finish_reason, "stop_reason": stop_reason}]}
-            if request.include_usage:
+            if request.continuous_usage:
+                body["usage"] = usage(finals)  # the prompts and tokens so far
+            elif request.include_usage:
                 body["usage"] = None
             return sse(body)
 
