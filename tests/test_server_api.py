@@ -514,3 +514,34 @@ def test_a_body_over_the_limit_is_a_413_and_the_server_serves_on():
         assert len(small.request.content) <= 1000
     with pytest.raises(ValueError, match="max_request_body_bytes must be >= 1, got 0"):
         build_app(None, ServerArgs(served_model_name=[MODEL], max_request_body_bytes=0))
+
+
+class _SentencePieceBytes:
+    """A stand-in tokenizer whose vocabulary has SentencePiece byte pieces (Gemma, Llama 2)."""
+
+    pieces = {0: "<0xF0>", 1: "<0x9F>", 2: "<0x98>", 3: "<0x80>", 4: "▁cat"}
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return self.pieces[token_id]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "\ufffd" if token_ids[0] < 4 else " cat"
+
+
+def test_chat_logprob_bytes_are_each_tokens_own_bytes():
+    """OpenAI's ``logprobs.content[].bytes``: the token's bytes, so that those of a character cut
+    over several tokens join back into it (a new user found U+FFFD's three bytes for every
+    piece of an emoji). SmolLM2's byte-level BPE and SentencePiece byte pieces."""
+    from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
+    from pagedllm.models.loader import load_tokenizer, model_folder, resolve_model_path
+
+    serving = OpenAIServing.__new__(OpenAIServing)
+    serving.tokenizer = load_tokenizer(model_folder(resolve_model_path(None)))
+    text = "héllo 😀 日本 <|im_end|>"
+    token_ids = serving.tokenizer.encode(text, add_special_tokens=False)
+    assert any(serving.tokenizer.decode([t]) == "\ufffd" for t in token_ids)  # the case at hand
+    assert b"".join(bytes(serving.token_bytes(t)) for t in token_ids) == text.encode()
+    serving = OpenAIServing.__new__(OpenAIServing)
+    serving.tokenizer = _SentencePieceBytes()
+    assert b"".join(bytes(serving.token_bytes(t)) for t in range(4)) == "😀".encode()
+    assert serving.token_bytes(4) == list(b" cat")

@@ -233,7 +233,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]],
                   top_logprobs: int) -> list[dict]:
-        """OpenAI chat ``logprobs.content``: per token its text, logprob, UTF-8 bytes and the
+        """OpenAI chat ``logprobs.content``: per token its text, logprob, bytes (``token_bytes``) and the
         ``top_logprobs`` most likely alternatives (by rank)."""
         content = []
         for token_id, alternatives in zip(token_ids, logprobs):
@@ -241,7 +241,8 @@ class OpenAIServingChat(OpenAIServing):
             ranked = sorted((item for item in alternatives.items() if item[1].rank is not None),
                             key=lambda item: item[1].rank)[:top_logprobs]
             content.append({
-                "token": token, "logprob": alternatives[token_id].logprob, "bytes": list(token.encode()),
-                "top_logprobs": [{"token": (alt := self.decode_token(t, lp)), "logprob": lp.logprob,
-                                  "bytes": list(alt.encode())} for t, lp in ranked]})
+                "token": token, "logprob": alternatives[token_id].logprob,
+                "bytes": self.token_bytes(token_id, alternatives.get(token_id)),
+                "top_logprobs": [{"token": self.decode_token(t, lp), "logprob": lp.logprob,
+                                  "bytes": self.token_bytes(t, lp)} for t, lp in ranked]})
         return content

@@ -6,9 +6,11 @@ Mirrors the role of vLLM's ``vllm/entrypoints/openai/serving_engine.py``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -355,6 +357,35 @@ class OpenAIServing:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+    @functools.cached_property
+    def _byte_level_decoder(self) -> Optional[dict[str, int]]:
+        """GPT-2's byte-to-character map reversed, where the tokenizer's decoder is
+        ``ByteLevel``; None for others."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+            return None
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        return {char: byte for byte, char in bytes_to_unicode().items()}
+
+    def token_bytes(self, token_id: int, logprob: Optional[Logprob] = None) -> list[int]:
+        """The token's own bytes, OpenAI's ``logprobs.content[].bytes``: a token holding part
+        of a UTF-8 character (an emoji, CJK) decodes alone to U+FFFD, but its bytes joined
+        with its neighbours' give the text back. Byte-level BPE vocabularies (GPT-2's map,
+        SmolLM2, Qwen) and SentencePiece byte pieces (``<0xE2>``: Gemma, Llama 2) are read as
+        such; any other token as the UTF-8 of its text."""
+        tokenizer = self.tokenizer
+        if tokenizer is not None:
+            piece = tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str):
+                byte_piece = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+                if byte_piece is not None:
+                    return [int(byte_piece[1], 16)]
+                decoder = self._byte_level_decoder
+                if decoder is not None and all(char in decoder for char in piece):
+                    return [decoder[char] for char in piece]
+        return list(self.decode_token(token_id, logprob).encode())
 
 
 def prompt_logprobs_json(engine: "OpenAIServing", output: RequestOutput) -> Optional[list]:
