@@ -344,8 +344,8 @@ class EngineMetrics:
 
 class APIKeyMetrics:
     """Per-key series of the HTTP server, labelled ``key_name``: only the configured key names
-    and ``anonymous`` ever appear (a bounded set: an unknown bearer token is refused before it
-    is counted), created at 0 up front.
+    ever appear, or ``anonymous`` on a server without keys (a bounded set: an unknown bearer
+    token is refused before it is counted), created at 0 up front.
 
     Series: ``pagedllm:api_key_requests_total{key_name, outcome}`` (outcome ``admitted``: the
     engine took it; ``rate_limited``: 429 for the key's limits; ``overloaded``: 503 from overload
@@ -357,13 +357,14 @@ class APIKeyMetrics:
     Args:
         registry: the registry to add the series to (the engine metrics' one).
         model_name: value of the ``model_name`` label.
-        key_names: the configured names (``anonymous`` is added).
+        key_names: the configured names; none: the server has no keys, and every caller is
+            ``anonymous``.
     """
 
     OUTCOMES = ("admitted", "rate_limited", "overloaded")
 
     def __init__(self, registry: CollectorRegistry, model_name: str, key_names: list[str]) -> None:
-        names = list(dict.fromkeys([*key_names, "anonymous"]))
+        names = list(dict.fromkeys(key_names)) or ["anonymous"]
         requests = Counter("pagedllm:api_key_requests", "API requests by key name and outcome.",
                            ["model_name", "key_name", "outcome"], registry=registry)
         tokens = Counter("pagedllm:api_key_tokens", "Tokens charged to each key (usage.total_tokens).",
