@@ -97,6 +97,17 @@ def test_adapters_by_model_name_models_list_and_runtime_loading(adapters):
         # Loaded again: a new id, so the prefix cache cannot hand it the old one's blocks.
         httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "a1", "lora_path": str(paths[1])})
         assert text_of(complete(url, "a1")) == references[1]
+        # vLLM's load_inplace replaces it (a new user's try: it was "already loaded"); a refused
+        # replacement keeps the old one; the base model's name is not an adapter's.
+        body = {"lora_name": "a1", "lora_path": str(paths[0]), "load_inplace": True}
+        replaced = httpx.post(url + "/v1/load_lora_adapter", json=body)
+        assert (replaced.status_code, replaced.text) == (200, "Success: LoRA adapter 'a1' replaced successfully.")
+        assert text_of(complete(url, "a1")) == references[0]
+        refused = httpx.post(url + "/v1/load_lora_adapter", json={**body, "lora_path": str(dora)})
+        assert refused.status_code == 400 and "DoRA" in refused.json()["error"]["message"]
+        assert text_of(complete(url, "a1")) == references[0]
+        base = httpx.post(url + "/v1/load_lora_adapter", json={**body, "lora_name": MODEL})
+        assert base.status_code == 400 and "is the base model's name" in base.json()["error"]["message"]
         metrics = scrape(url)
         assert metrics['vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}'] \
             <= time.time()

@@ -404,7 +404,8 @@ def _check_may_update_loras(raw_request: Request) -> None:
 @lora_router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
     _check_may_update_loras(raw_request)
-    return PlainTextResponse(await models(raw_request).load_lora_adapter(request.lora_name, request.lora_path))
+    return PlainTextResponse(await models(raw_request).load_lora_adapter(request.lora_name, request.lora_path,
+                                                                         request.load_inplace))
 
 
 @lora_router.post("/v1/unload_lora_adapter")

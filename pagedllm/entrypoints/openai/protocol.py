@@ -247,10 +247,11 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
     """``POST /v1/load_lora_adapter`` (vLLM's body): load the PEFT folder ``lora_path`` as the
-    model ``lora_name``."""
+    model ``lora_name``; ``load_inplace`` replaces an adapter already of that name."""
 
     lora_name: Annotated[str, Field(min_length=1)]
     lora_path: Annotated[str, Field(min_length=1)]
+    load_inplace: Bool = False
 
 
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):

@@ -78,23 +78,34 @@ class OpenAIServingModels:
                         "max_model_len": max_model_len}
                        for name, request in self.lora_requests.items() if self._visible(name, key)]
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> str:
-        """Load an adapter under ``lora_name`` (vLLM's ``/v1/load_lora_adapter``).
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> str:
+        """Load an adapter under ``lora_name`` (vLLM's ``/v1/load_lora_adapter``). With
+        ``load_inplace`` an adapter already of that name is replaced: the new one gets a new id
+        (so no prefix-cache block of the old one is hit), and requests running with the old
+        one finish with it.
 
         Raises:
-            OpenAIError 400: LoRA is off, the name is taken (an adapter or the base model), or
-                the engine refuses the adapter (its message: DoRA, rank, missing files, ...).
+            OpenAIError 400: LoRA is off, the name is the base model's, or an adapter's without
+                ``load_inplace``, or the engine refuses the adapter (its message: DoRA, rank,
+                missing files, ...; a refused replacement leaves the old adapter in place).
         """
         if not self.lora_enabled:
             raise OpenAIError(400, "LoRA is off: start the server with --enable-lora", param="lora_name")
-        if lora_name in self.lora_requests or lora_name in self.served_model_names:
-            raise OpenAIError(400, f"The lora adapter '{lora_name}' has already been loaded.", param="lora_name")
+        if lora_name in self.served_model_names:
+            raise OpenAIError(400, f"'{lora_name}' is the base model's name, not an adapter's.", param="lora_name")
+        old = self.lora_requests.get(lora_name)
+        if old is not None and not load_inplace:
+            raise OpenAIError(400, f"The lora adapter '{lora_name}' has already been loaded "
+                                   "(load_inplace: true replaces it).", param="lora_name")
         lora_request = LoRARequest(lora_name, next(self._ids), lora_path)
         try:
             await self.engine.add_lora(lora_request)
         except Exception as exc:  # noqa: BLE001 - ValueError -> 400, engine errors as elsewhere
             raise to_openai_error(exc) from exc
         self.lora_requests[lora_name] = lora_request
+        if old is not None:
+            await self.engine.remove_lora(old.lora_int_id)
+            return f"Success: LoRA adapter '{lora_name}' replaced successfully."
         return f"Success: LoRA adapter '{lora_name}' added successfully."
 
     async def unload_lora_adapter(self, lora_name: str) -> str:
