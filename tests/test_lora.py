@@ -14,7 +14,8 @@ import torch
 from pagedllm import LoRARequest, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.lora.layers import LoRAContext, LoRALinear, PackedLoRA, ExpandSlice, add_lora
+from pagedllm.layers import ops
+from pagedllm.lora.layers import LoRAContext, LoRALinear, PackedLoRA, ExpandSlice, add_lora, tile_for_bf16
 from pagedllm.models.loader import build_model
 from tests.conftest import hf_tiny_model, run_to_completion, save_tiny_checkpoint, tiny_config, tiny_state_dict
 from tests.lora_adapters import adapters_and_references, make_adapter
@@ -141,11 +142,13 @@ def _per_row_reference(y: torch.Tensor, x: torch.Tensor, row_adapter: list, pack
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,tiles", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize("base_kind", ["dense", "int8", "int4"])
-def test_grouped_kernel_equals_per_row_loop(dtype, base_kind):
+def test_grouped_kernel_equals_per_row_loop(dtype, tiles, base_kind):
     """Rows of three adapters and of none, as one range per adapter and interleaved (gathered),
-    over dense, int8 and int4 base layers: the base output plus the per-row LoRA terms."""
+    over dense, int8 and int4 base layers: the base output plus the per-row LoRA terms. bf16
+    with ``tile_for_bf16`` (what ``pack_adapter`` does with the C++ ops): each row is also
+    bitwise what it gives alone, and a packing with an odd rank stays on torch's matmul."""
     from pagedllm.layers.linear import Linear
     from pagedllm.layers.quantization import Int4Linear, Int8Linear
 
@@ -160,6 +163,12 @@ def test_grouped_kernel_equals_per_row_loop(dtype, base_kind):
     packed = [_packed(generator, in_features, [(8, 0, 32), (8, 32, 64), (8, 64, 96)], dtype),  # q/k/v-like
               _packed(generator, in_features, [(16, 32, 64)], dtype),  # one slice of three
               _packed(generator, in_features, [(4, 0, 96)], dtype)]
+    if tiles:
+        if ops.native_ops() is None:
+            pytest.skip("the bf16_linear tiles need the C++ ops")
+        packed = [tile_for_bf16(lora) for lora in packed]
+        assert all(lora.a_blocked is not None for lora in packed)
+        assert tile_for_bf16(_packed(generator, in_features, [(3, 0, 96)], dtype)).a_blocked is None
     x = torch.randn(num_rows, in_features, generator=generator).to(dtype)
     context = LoRAContext()
     layer = LoRALinear(base, 0, "self_attn.qkv_proj", context)
@@ -183,6 +192,10 @@ def test_grouped_kernel_equals_per_row_loop(dtype, base_kind):
         for row, adapter in enumerate(row_adapter):
             if adapter is None:
                 assert torch.equal(y[row], base_y[row])
+            elif tiles:
+                alone = add_lora(base_y[row:row + 1].clone(), x[row:row + 1],
+                                 [(packed[adapter], slice(0, 1))])
+                assert torch.equal(alone[0], y[row])
     assert add_lora(base_y.clone(), x, []).equal(base_y)
 
 

@@ -271,8 +271,10 @@ class ModelRunner:
         # rows too, one per token, row j seeing the context up to its own position: the KV of
         # every row is written before any row attends, so each row is computed exactly as
         # one-token decoding would compute it (greedy output stays the same token for token).
-        decodes = [r for r in batch.requests if _is_decode_row(r)]
-        prefills = [r for r in batch.requests if not _is_decode_row(r)]
+        decodes, prefills = [], []
+        for r in batch.requests:
+            (decodes if _is_decode_row(r) else prefills).append(r)
+        decoding = {id(r) for r in decodes}
         lora_mapping = None
         if any(r.lora_request is not None for r in batch.requests):
             # Rows of one adapter side by side (the sort is stable): most groups are one range,
@@ -307,7 +309,7 @@ class ModelRunner:
                 spec_rows.append((request, row))
                 decode_rows.extend((request, p + 1) for p in range(start, end))
                 continue
-            if _is_decode_row(request):
+            if id(request) in decoding:
                 decode_rows.append((request, end))
             else:
                 prefill_seqs.append(PrefillSequence(row, row + num_new, end,
