@@ -599,6 +599,41 @@ def test_prefill_kernel_matches_reference_and_sdpa(kernel, monkeypatch, num_head
                                                              else dict(rtol=2 ** -6, atol=2e-2)))
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float32, torch.int8), (torch.bfloat16, torch.int8)])
+def test_decode_kernel_grouped_long_context_split_by_threads_bitwise(kernel, num_heads, num_kv_heads, head_dim,
+                                                                      dtypes):
+    """Grouped query heads are split by context from 4,096 tokens on (kMinGroupedSplitTokens):
+    sequences of 4,095-5,000 tokens (the block table maps them onto the pool's 64 blocks, some
+    more than once) give bitwise the same output at 1, 2 and 3 threads, alone or batched, and
+    the reference's."""
+    query_dtype, cache_dtype = dtypes
+    key_cache, value_cache, g = random_caches(num_kv_heads, cache_dtype, seed=head_dim + num_heads, head_dim=head_dim)
+    context_lens = torch.tensor([4096, 5000, 4095])  # the last one alone stays an item per KV head
+    max_blocks = -(-5000 // BLOCK_SIZE)
+    block_tables = torch.randint(NUM_BLOCKS, (len(context_lens), max_blocks), generator=g)
+    query = torch.randn(len(context_lens), num_heads, head_dim, generator=g).to(query_dtype)
+    scale = head_dim ** -0.5
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                                      scale, 0))
+        torch.set_num_threads(2)
+        alone = [kernel.paged_decode_attention(query[i:i + 1], key_cache, value_cache, block_tables[i:i + 1],
+                                               context_lens[i:i + 1], scale, 0) for i in range(len(context_lens))]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0], torch.cat(alone))
+    if query_dtype == torch.float32 and cache_dtype == torch.float32:
+        expected = decode_reference(query, key_cache, value_cache, block_tables, context_lens, scale)
+        torch.testing.assert_close(outs[0].double(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (4, 1, 256), (4, 4, 128)])
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                     (torch.float32, torch.bfloat16), (torch.float32, torch.int8),

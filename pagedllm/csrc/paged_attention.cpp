@@ -86,8 +86,10 @@ inline void prefetch_row(const T* row, int64_t row_bytes) {
 // Sequences per thread from which a decode batch is split by sequence, not by KV head.
 constexpr int64_t kSeqsPerThread = 4;
 
-// Chunks per thread each sequence needs before a batch of few sequences is split by context.
+// Chunks per thread each sequence needs before a batch of few sequences is split by context,
+// and with grouped queries (several query heads per KV head) the tokens it needs.
 constexpr int64_t kMinChunksPerThread = 2;
+constexpr int64_t kMinGroupedSplitTokens = 4096;
 
 #if defined(__AVX512F__)
 using pagedllm_vec::exp512;
@@ -106,13 +108,14 @@ using pagedllm_vec::softmax_rows;
 //   - one item per (sequence, KV head) when there are few sequences (a batch-1 decode still
 //     uses both cores): an item reads its head's part of every token row, head_dim elements
 //     of a num_kv_heads * head_dim row;
-//   - few sequences of kMinChunksPerThread chunks per thread or more, one query head per KV
-//     head: each thread walks a run of every sequence's blocks for all KV heads
-//     (split_context_attention). With SmolLM2-1.7B's 32 KV heads of 64 (an item per head reads
-//     128 B of each 4 KiB row) 1.3-1.5x faster at 4k tokens, alike at 1k and 16k; with
-//     Llama-3-8B's 8 KV heads of 128 and 4 query heads each, 1.2-1.25x slower at 4k and 32k,
-//     so grouped queries keep an item per KV head (bench/README.md, "Decode attention split by
-//     context");
+//   - few sequences of kMinChunksPerThread chunks per thread or more (grouped queries: of
+//     kMinGroupedSplitTokens or more): each thread walks a run of every sequence's blocks for
+//     all KV heads (split_context_attention). With SmolLM2-1.7B's 32 KV heads of 64 (an item
+//     per head reads 128 B of each 4 KiB row) 1.3-1.5x faster at 4k tokens, alike at 1k and
+//     16k (bench/README.md, "Decode attention split by context"); with Llama-3-8B's 8 KV heads
+//     of 128 and 4 query heads each 1.1-1.25x faster from 8k tokens, alike at 4k, 5-10 %
+//     slower from cache at 1k-2k (bench/README.md, "Decode attention: prefetches spread over a
+//     block's KV heads");
 //   - one item per sequence otherwise: the item walks each block once for all KV heads, so
 //     memory is read in whole contiguous blocks (a third of every row at a time measured 1.4x
 //     slower at batch 64 with SmolLM2's 3 KV heads and blocks in allocation order; alike with
@@ -380,14 +383,17 @@ void round_queries(const T* q, int64_t q_head_stride, HeadRange r, float scale, 
 
 // The scores of positions begin .. end - 1 (scores[head * n + position - start]), every KV head
 // of the range read block by block (an item of one KV head reads its part of each row; of them
-// all, whole blocks). The first KV head's rows prefetch the next block's span of the range.
+// all, whole blocks). Each KV head's rows prefetch that head's part of the next block's rows, so
+// the prefetches are spread over the whole block's work: the first head prefetching the next
+// block's whole span issued them in a burst, measured 1.15x slower with 8 KV heads of 128 at
+// batch 16-64 and the reason splitting a grouped-query context cost 1.2x (bench/README.md,
+// "Decode attention: prefetches spread over a block's KV heads").
 template <typename T, typename C, int kHeadDim>
 void scores_range(const T* q, int64_t q_head_stride, const C* k_base, const int64_t* table, int64_t start,
                   int64_t begin, int64_t end, int64_t block_size, int64_t block_stride, int64_t token_stride,
                   HeadRange r, float scale, const int8_t* q8, const int32_t* q_offset, float* scores, int64_t n) {
   constexpr int64_t kRow = kHeadDim + kv_row_extra<C>();  // cache elements per KV head row
   constexpr int64_t kQ8Row = kHeadDim + kKvScaleBytes;
-  const int64_t span_bytes = (r.kv_head_end - r.kv_head_begin) * kRow * static_cast<int64_t>(sizeof(C));
   const int64_t head_bytes = kRow * static_cast<int64_t>(sizeof(C));
   const int64_t group = r.group;
   for_each_cached_block(k_base + r.kv_head_begin * kRow, table, begin, end, block_size, block_stride, token_stride,
@@ -396,7 +402,7 @@ void scores_range(const T* q, int64_t q_head_stride, const C* k_base, const int6
     for (int64_t h = 0; h < r.kv_head_end - r.kv_head_begin; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
         const int64_t head = h * group + g0;
-        const int64_t prefetch = head == 0 ? span_bytes : (g0 == 0 ? head_bytes : 0);
+        const int64_t prefetch = g0 == 0 ? head_bytes : 0;
         with_group(group - g0, [&](auto size) {
 #if defined(__AVX512BW__)
           if constexpr (std::is_same_v<C, int8_t>) {
@@ -424,7 +430,6 @@ void accumulate_range(const C* v_base, const int64_t* table, int64_t start, int6
                       int64_t block_size, int64_t block_stride, int64_t token_stride, HeadRange r,
                       const float* weights, int64_t n, float* acc) {
   constexpr int64_t kRow = kHeadDim + kv_row_extra<C>();
-  const int64_t span_bytes = (r.kv_head_end - r.kv_head_begin) * kRow * static_cast<int64_t>(sizeof(C));
   const int64_t head_bytes = kRow * static_cast<int64_t>(sizeof(C));
   const int64_t group = r.group;
   for_each_cached_block(v_base + r.kv_head_begin * kRow, table, begin, end, block_size, block_stride, token_stride,
@@ -436,7 +441,7 @@ void accumulate_range(const C* v_base, const int64_t* table, int64_t start, int6
         with_group(group - g0, [&](auto size) {
           group_accumulate<C, kHeadDim, decltype(size)::value>(
               weights + head * n + first, n, block + h * kRow, next + h * kRow, count, token_stride,
-              head == 0 ? span_bytes : (g0 == 0 ? head_bytes : 0), acc + head * kHeadDim);
+              g0 == 0 ? head_bytes : 0, acc + head * kHeadDim);
         });
       }
     }
@@ -648,12 +653,14 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   }
   const int64_t threads = at::get_num_threads();
   // Whole sequences per item once there are kSeqsPerThread of them per thread (see the AVX-512
-  // section); fewer sequences without grouped queries, each long enough, split by context;
-  // otherwise one item per KV head. The generic path always takes one KV head per item.
+  // section); fewer sequences, each long enough, split by context; otherwise one item per KV
+  // head. The generic path always takes one KV head per item.
   const bool whole_seqs = kVector && num_seqs >= kSeqsPerThread * threads;
 #if defined(__AVX512F__)
   if constexpr (kVector) {
-    if (!whole_seqs && group == 1 && threads > 1 && min_n > (kMinChunksPerThread * threads - 1) * kFoldTokens) {
+    const bool long_enough = min_n > (kMinChunksPerThread * threads - 1) * kFoldTokens &&
+                             (group == 1 || min_n >= kMinGroupedSplitTokens);
+    if (!whole_seqs && threads > 1 && long_enough) {
       split_context_attention<T, C, kHeadDim>(out_base, q_base, q_seq_stride, q_head_stride, k_base, v_base, tables,
                                               max_blocks, lens, sliding_window, num_seqs, num_kv_heads, group,
                                               block_size, block_stride, token_stride, scale, threads);
