@@ -13,6 +13,7 @@ from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.utils import check_chat_template_kwargs
 
 
 class LLM:
@@ -111,36 +112,45 @@ class LLM:
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
+             lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+             chat_template: Optional[str] = None,
+             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the model's chat template.
 
         Args:
             messages: one conversation (a list of ``{"role", "content"}``) or a list of them.
                 A message without ``content`` renders as empty text, as the server does.
             lora_request: as in ``generate``: one adapter for all, or one per conversation.
+            chat_template: a Jinja chat template to use instead of the model's (vLLM's
+                argument; a model without one then chats too).
+            chat_template_kwargs: the template's own variables (e.g. Qwen3's ``enable_thinking``).
 
         Returns:
             One ``RequestOutput`` per conversation.
 
         Raises:
-            ValueError: no conversation, an empty one, or a message that is not a dict with a
-                string ``role``.
+            ValueError: no conversation, an empty one, a message that is not a dict with a
+                string ``role``, or a ``chat_template_kwargs`` key that is one of
+                ``apply_chat_template``'s parameters.
         """
         if not messages:
             raise ValueError("messages is empty: give at least one {'role', 'content'} message")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.encode_chat(conv, add_generation_prompt,
-                                                         continue_final_message)}
+        prompts = [{"prompt_token_ids": self.encode_chat(conv, add_generation_prompt, continue_final_message,
+                                                         chat_template, chat_template_kwargs)}
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def encode_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
-        """Token ids of a conversation through the chat template (special tokens added once).
+                    continue_final_message: bool = False, chat_template: Optional[str] = None,
+                    chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+        """Token ids of a conversation through the chat template (``chat_template``, else the
+        model's; special tokens added once).
 
         Raises:
-            ValueError: a model without a chat template, an empty conversation, a malformed
-                message, or text too long for ``max_model_len`` (refused before it is tokenized).
+            ValueError: no chat template, an empty conversation, a malformed message, a
+                reserved ``chat_template_kwargs`` key, or text too long for ``max_model_len``
+                (refused before it is tokenized).
         """
         if not conversation:
             raise ValueError("a conversation is empty: give at least one {'role', 'content'} message")
@@ -149,11 +159,13 @@ class LLM:
                 raise ValueError(f"message {index} must be a dict with a string 'role', got {message!r}")
         conversation = [{**m, "content": m.get("content") or ""} for m in conversation]
         tokenizer = self.llm_engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template (a base model): use generate() with a prompt")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+        if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
+            raise ValueError("this model has no chat template (a base model): use generate() with a prompt, "
+                             "or pass chat_template")
+        kwargs = check_chat_template_kwargs(tokenizer, chat_template_kwargs)
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
                                              add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message)
+                                             continue_final_message=continue_final_message, **kwargs)
         return self.llm_engine.input_processor.encode(text, "messages", add_special_tokens=False)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],

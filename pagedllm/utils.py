@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import socket
+from typing import Any, Optional
 
 
 def cdiv(a: int, b: int) -> int:
@@ -37,3 +39,24 @@ def check_port_free(host: str, port: int) -> None:
             probe.bind(address)
     except OSError as exc:
         raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def check_chat_template_kwargs(tokenizer: Any, kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The chat template's own variables (vLLM's ``chat_template_kwargs``, e.g. Qwen3's
+    ``enable_thinking``) as keyword arguments for ``tokenizer.apply_chat_template``.
+
+    Raises:
+        ValueError: a key that is one of ``apply_chat_template``'s parameters (``tokenize``,
+            ``tools``, ``chat_template``, ...): those have fields of their own or are not for
+            requests to set.
+    """
+    if not kwargs:
+        return {}
+    reserved = {name for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    taken = sorted(set(kwargs) & reserved)
+    if taken:
+        raise ValueError(f"chat_template_kwargs may only hold the template's own variables; {taken} are "
+                         f"apply_chat_template's parameters")
+    return dict(kwargs)
+

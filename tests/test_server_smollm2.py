@@ -69,3 +69,43 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(reference_an
     assert so_far == sorted(so_far) and 0 < so_far[1] and so_far[-2] == len(expected.token_ids)
     assert all(chunk["usage"]["total_tokens"] == prompt_tokens + chunk["usage"]["completion_tokens"]
                for chunk in chunks)
+
+
+def test_chat_echo_template_kwargs_and_refused_template(reference_and_server):
+    """vLLM's chat fields a new user found ignored: ``echo`` puts a continued assistant message
+    before the reply (streamed as its own chunk after the role's), not a user's;
+    ``chat_template_kwargs`` reach the template (a variable SmolLM2's ignores changes nothing)
+    and may not name ``apply_chat_template``'s parameters; a request's own ``chat_template`` is
+    refused with a 400, as vLLM refuses it without --trust-request-chat-template."""
+    _, server = reference_and_server
+    partial = CAPITAL + [{"role": "assistant", "content": "The capital of France is"}]
+    body = {"model": "smollm2", "messages": partial, "temperature": 0, "max_tokens": 8,
+            "add_generation_prompt": False, "continue_final_message": True}
+    url = server.url + "/v1/chat/completions"
+    plain = httpx.post(url, json=body, timeout=120).json()["choices"][0]["message"]["content"]
+    echoed = httpx.post(url, json={**body, "echo": True}, timeout=120).json()["choices"][0]["message"]["content"]
+    assert plain and echoed == "The capital of France is" + plain
+    with httpx.stream("POST", url, json={**body, "echo": True, "stream": True}, timeout=120) as response:
+        events = sse_events(response.iter_lines())
+    deltas = [event["choices"][0]["delta"] for event in events[:-1] if event["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert deltas[1] == {"content": "The capital of France is"}
+    assert "".join(delta.get("content") or "" for delta in deltas) == echoed
+    user_last = httpx.post(url, json={"model": "smollm2", "messages": CAPITAL, "temperature": 0, "max_tokens": 4,
+                                      "echo": True}, timeout=120).json()["choices"][0]["message"]["content"]
+    assert "What is the capital" not in user_last
+
+    tokenize = server.url + "/tokenize"
+    base = httpx.post(tokenize, json={"messages": CAPITAL}, timeout=60).json()["tokens"]
+    kwargs = httpx.post(tokenize, json={"messages": CAPITAL, "chat_template_kwargs": {"enable_thinking": False}},
+                        timeout=60).json()["tokens"]
+    assert kwargs == base
+    for path, extra in (("/v1/chat/completions", {"model": "smollm2", "max_tokens": 1}), ("/tokenize", {})):
+        reserved = httpx.post(server.url + path, json={"messages": CAPITAL, "chat_template_kwargs": {"tokenize": True},
+                                                       **extra}, timeout=60)
+        assert reserved.status_code == 400
+        assert reserved.json()["error"]["param"] == "chat_template_kwargs"
+        assert "['tokenize']" in reserved.json()["error"]["message"]
+        refused = httpx.post(server.url + path, json={"messages": CAPITAL, "chat_template": "{{ 'x' }}", **extra},
+                             timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"

@@ -179,6 +179,24 @@ def test_chat_renders_template_once(smollm2_llm_fp32):
     assert output.outputs[0].token_ids == direct.outputs[0].token_ids
 
 
+def test_chat_template_and_its_kwargs(smollm2_llm_fp32):
+    """``chat_template`` replaces the model's template and ``chat_template_kwargs`` are its
+    variables (vLLM's LLM.chat arguments): the ids are transformers' rendering of the same;
+    a key that is one of apply_chat_template's parameters is a ValueError."""
+    tokenizer = smollm2_llm_fp32.get_tokenizer()
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if shout %}!{% endif %}"
+    conversation = [{"role": "user", "content": "Name a color."}]
+    for variables in ({"shout": True}, {"shout": False}, None):
+        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                             **(variables or {}))
+        assert smollm2_llm_fp32.encode_chat(conversation, chat_template=template, chat_template_kwargs=variables) \
+            == tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(smollm2_llm_fp32.encode_chat(conversation, chat_template=template,
+                                                         chat_template_kwargs={"shout": True})).endswith("color.!")
+    with pytest.raises(ValueError, match=r"\['add_generation_prompt', 'tokenize'\] are apply_chat_template's"):
+        smollm2_llm_fp32.chat(conversation, chat_template_kwargs={"tokenize": True, "add_generation_prompt": False})
+
+
 @pytest.mark.parametrize("messages, message", [
     ([], "messages is empty"),
     ([[]], "a conversation is empty"),

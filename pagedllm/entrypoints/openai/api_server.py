@@ -373,7 +373,8 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> dict:
         raise OpenAIError(400, "give exactly one of prompt or messages")
     if request.messages is not None:
         _, tokens = await asyncio.to_thread(chat(raw_request).render, request.messages,
-                                            request.add_generation_prompt)
+                                            request.add_generation_prompt, False, None, request.chat_template,
+                                            request.chat_template_kwargs)
     else:
         tokens = await asyncio.to_thread(serving.encode_text, request.prompt, "prompt",
                                          add_special_tokens=request.add_special_tokens)

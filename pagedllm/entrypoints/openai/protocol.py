@@ -223,9 +223,15 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[Int] = None
     tools: Optional[list[Any]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
-    # vLLM extensions
+    # vLLM extensions: echo puts the last message before the reply when it is the assistant's
+    # (continue_final_message); chat_template_kwargs are the template's own variables
+    # (enable_thinking, ...); a chat_template of the request's own is refused, as vLLM refuses
+    # it without --trust-request-chat-template.
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
+    echo: Bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -236,6 +242,8 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: Bool = True
     add_generation_prompt: Bool = True
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class DetokenizeRequest(OpenAIBaseModel):

@@ -19,7 +19,7 @@ from pagedllm.entrypoints.openai.tool_calls import (ToolCall, check_tools, const
                                                     parse_forced, template_messages_arguments)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.utils import check_utf8
+from pagedllm.utils import check_chat_template_kwargs, check_utf8
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -29,17 +29,29 @@ class OpenAIServingChat(OpenAIServing):
 
     def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False,
-               tools: Optional[list[dict]] = None) -> tuple[str, list[int]]:
+               tools: Optional[list[dict]] = None, chat_template: Optional[str] = None,
+               chat_template_kwargs: Optional[dict[str, Any]] = None) -> tuple[str, list[int]]:
         """The conversation as template text and its token ids; ``tools`` go to templates that
-        take them (Qwen2.5's lists them in its system prompt; others ignore them). Blocks for
-        as long as the template and the tokenizer take: handlers call it in a worker thread.
+        take them (Qwen2.5's lists them in its system prompt; others ignore them);
+        ``chat_template_kwargs`` are the template's own variables. Blocks for as long as the
+        template and the tokenizer take: handlers call it in a worker thread.
 
         Raises:
-            OpenAIError 400: no tokenizer or chat template, or the template refused the messages.
+            OpenAIError 400: no tokenizer or chat template, a ``chat_template`` of the request's
+                own, a ``chat_template_kwargs`` key that is one of ``apply_chat_template``'s
+                parameters, or the template refused the messages.
         """
+        if chat_template is not None:
+            raise OpenAIError(400, "a chat_template in the request is refused: the server renders with the model's "
+                                   "own template (vLLM refuses it too without --trust-request-chat-template)",
+                              param="chat_template")
         tokenizer = self.require_tokenizer("chat")
         if not getattr(tokenizer, "chat_template", None):
             raise OpenAIError(400, "this model has no chat template: use /v1/completions")
+        try:
+            template_kwargs = check_chat_template_kwargs(tokenizer, chat_template_kwargs)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="chat_template_kwargs") from exc
         template_messages = [m.as_template_message() for m in messages]
         for i, message in enumerate(template_messages):
             for key, value in message.items():
@@ -56,7 +68,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             text = tokenizer.apply_chat_template(template_messages, tokenize=False, tools=tools,
                                                  add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message)
+                                                 continue_final_message=continue_final_message, **template_kwargs)
         except Exception as exc:  # noqa: BLE001 - jinja raises anything; it is the input's fault
             raise OpenAIError(400, f"the chat template could not render the messages: {exc}",
                               param="messages") from exc
@@ -73,7 +85,8 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         text, token_ids = await asyncio.to_thread(self.render, request.messages, request.add_generation_prompt,
                                                   request.continue_final_message,
-                                                  request.tools if mode != "none" else None)
+                                                  request.tools if mode != "none" else None, request.chat_template,
+                                                  request.chat_template_kwargs)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -110,6 +123,15 @@ class OpenAIServingChat(OpenAIServing):
             submission.close()
 
     @staticmethod
+    def _echo(request: ChatCompletionRequest) -> str:
+        """What ``echo`` puts before each reply, as vLLM: the last message's text when it is the
+        assistant's (the reply continues it), else nothing."""
+        last = request.messages[-1]
+        if not request.echo or last.role != "assistant":
+            return ""
+        return last.as_template_message()["content"]
+
+    @staticmethod
     def _tool_calls(completion: CompletionOutput, mode: str, named: Optional[dict]) -> tuple[Any, list, Any]:
         """``(content, tool calls, finish_reason)`` of a finished choice. As OpenAI and vLLM:
         ``"tool_calls"`` when the model chose to call (auto, required), ``"stop"`` for a named
@@ -136,6 +158,8 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = {"content": self._logprobs(completion.token_ids, completion.logprobs or [],
                                                       request.top_logprobs or 0)}
             content, calls, finish_reason = self._tool_calls(completion, mode, named)
+            if content is not None:
+                content = self._echo(request) + content
             message = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = [call.as_openai() for call in calls]
@@ -167,8 +191,11 @@ class OpenAIServingChat(OpenAIServing):
 
         final: Optional[RequestOutput] = None
         states = [ChoiceState(index) for index in range(request.n)]
+        echo = self._echo(request)
         for state in states:
             yield chunk(state.index, {"role": "assistant", "content": ""})
+            if echo:
+                yield chunk(state.index, {"content": echo})
         async for _, output in merge_streams([stream]):
             final = output
             for completion in output.outputs:
