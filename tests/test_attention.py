@@ -212,6 +212,27 @@ def test_decode_kernel_work_splits_agree_bitwise(kernel, num_heads, num_kv_heads
         torch.testing.assert_close(batched.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def check_same_at_1_2_3_threads_and_alone(kernel, query, key_cache, value_cache, block_tables, context_lens, scale,
+                                          window) -> list[torch.Tensor]:
+    """The batch's decode outputs at 1, 2 and 3 threads (returned), asserted bitwise equal to
+    each other and to each sequence's alone at 2 threads."""
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                                      scale, window))
+        torch.set_num_threads(2)
+        alone = [kernel.paged_decode_attention(query[i:i + 1], key_cache, value_cache, block_tables[i:i + 1],
+                                               context_lens[i:i + 1], scale, window) for i in range(len(context_lens))]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0], torch.cat(alone))
+    return outs
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (14, 2, 128), (32, 32, 64), (4, 4, 128)])
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                     (torch.float32, torch.bfloat16), (torch.float32, torch.int8),
@@ -229,20 +250,8 @@ def test_decode_kernel_long_context_split_by_threads_bitwise(kernel, num_heads, 
     block_tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=g) for _ in range(len(context_lens))])
     query = torch.randn(len(context_lens), num_heads, head_dim, generator=g).to(query_dtype)
     scale = head_dim ** -0.5
-    threads = torch.get_num_threads()
-    outs = []
-    try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            outs.append(kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                                      scale, window))
-        torch.set_num_threads(2)
-        alone = [kernel.paged_decode_attention(query[i:i + 1], key_cache, value_cache, block_tables[i:i + 1],
-                                               context_lens[i:i + 1], scale, window) for i in range(len(context_lens))]
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    assert torch.equal(outs[0], torch.cat(alone))
+    outs = check_same_at_1_2_3_threads_and_alone(kernel, query, key_cache, value_cache, block_tables, context_lens,
+                                                 scale, window)
     if query_dtype == torch.float32:
         expected = torch.cat([dense_reference(query[i:i + 1], key_cache, value_cache, block_tables[i].tolist(),
                                               int(context_lens[i]), [int(context_lens[i]) - 1], scale,
@@ -616,20 +625,8 @@ def test_decode_kernel_grouped_long_context_split_by_threads_bitwise(kernel, num
     block_tables = torch.randint(NUM_BLOCKS, (len(context_lens), max_blocks), generator=g)
     query = torch.randn(len(context_lens), num_heads, head_dim, generator=g).to(query_dtype)
     scale = head_dim ** -0.5
-    threads = torch.get_num_threads()
-    outs = []
-    try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            outs.append(kernel.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                                      scale, 0))
-        torch.set_num_threads(2)
-        alone = [kernel.paged_decode_attention(query[i:i + 1], key_cache, value_cache, block_tables[i:i + 1],
-                                               context_lens[i:i + 1], scale, 0) for i in range(len(context_lens))]
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    assert torch.equal(outs[0], torch.cat(alone))
+    outs = check_same_at_1_2_3_threads_and_alone(kernel, query, key_cache, value_cache, block_tables, context_lens,
+                                                 scale, 0)
     if query_dtype == torch.float32 and cache_dtype == torch.float32:
         expected = decode_reference(query, key_cache, value_cache, block_tables, context_lens, scale)
         torch.testing.assert_close(outs[0].double(), expected, rtol=1e-5, atol=1e-5)
