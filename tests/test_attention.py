@@ -610,7 +610,8 @@ def test_prefill_kernel_matches_reference_and_sdpa(kernel, monkeypatch, num_head
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (9, 3, 64), (14, 2, 64)])
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                    (torch.float32, torch.int8), (torch.bfloat16, torch.int8)])
+                                    (torch.float32, torch.bfloat16), (torch.float32, torch.int8),
+                                    (torch.bfloat16, torch.int8)])
 def test_decode_kernel_grouped_long_context_split_by_threads_bitwise(kernel, num_heads, num_kv_heads, head_dim,
                                                                       dtypes):
     """Grouped query heads (groups of 4, 3 and 7: Qwen2.5's two passes of 4 + 3) are split by
