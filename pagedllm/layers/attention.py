@@ -27,7 +27,7 @@ chooses it once, when it is built, by passing ``logit_softcap``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -268,7 +268,8 @@ class PrefillAttention(CustomOp):
     sliding_window=None)``: causal attention of a chunk of ``q_len`` tokens over its cached
     prefix and itself.
 
-    ``forward_cpu`` runs, where no sliding window cuts the context and SDPA is not faster
+    ``forward_cpu`` runs the rows whose context a sliding window cuts through the C++ decode
+    kernel (``windowed_rows_as_decode``); the others, where SDPA is not faster
     (``sdpa_is_faster``), a C++ kernel that reads K/V through ``seq.block_table``: for bf16 over
     a bf16 cache (``bf16_kernel_preferred``) ``csrc/prefill_attention_bf16.cpp`` (AVX512_BF16
     builds), else ``csrc/prefill_attention.cpp`` (AVX-512 builds; each row bitwise the decode
@@ -293,8 +294,19 @@ class PrefillAttention(CustomOp):
                     key_cache: torch.Tensor, value_cache: torch.Tensor, seq: PrefillSequence, scale: float,
                     sliding_window: Optional[int] = None) -> torch.Tensor:
         head_dim = query.shape[2]
-        if ((sliding_window is None or sliding_window >= seq.context_len)
-                and not sdpa_is_faster(query.shape[0], seq.context_len, query.dtype, key_cache.dtype)):
+        if sliding_window is not None and sliding_window < seq.context_len:
+            # Rows whose context the window does not cut yet attend as without one; the others
+            # go through the decode kernel. Decided per row, so that a row takes the same path
+            # in any chunk.
+            first = seq.context_len - query.shape[0]
+            uncut = min(query.shape[0], max(0, sliding_window - first))
+            cut = windowed_rows_as_decode(query[uncut:], key_cache, value_cache, seq.block_table,
+                                          seq.context_len, scale, sliding_window)
+            if not uncut:
+                return cut
+            return torch.cat([self.forward_cpu(query[:uncut], key[:uncut], value[:uncut], key_cache, value_cache,
+                                               replace(seq, context_len=first + uncut), scale), cut])
+        if not sdpa_is_faster(query.shape[0], seq.context_len, query.dtype, key_cache.dtype):
             exact = self._kernel_supports("prefill_attention", head_dim)
             if (bf16_kernel_preferred(query.dtype, key_cache.dtype)
                     and self._kernel_supports("prefill_attention_bf16", head_dim)):
@@ -317,6 +329,31 @@ class PrefillAttention(CustomOp):
                 return torch.ops.pagedllm.paged_prefill_attention(query, key_cache, value_cache, seq.block_table,
                                                                   seq.context_len, scale)
         return prefill_attention_sdpa(query, key, value, key_cache, value_cache, seq, scale, sliding_window)
+
+
+def windowed_rows_as_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_table: torch.Tensor, context_len: int, scale: float,
+                            sliding_window: int) -> torch.Tensor:
+    """Prefill rows under a sliding window, each as a decode row of its own (the C++ decode
+    kernel, context length its position + 1): bitwise what a decode step gives that token, so
+    a prompt computed in any chunks, or after a prefix-cache hit, gets the same K/V and logits
+    (Gemma 3's local layers; SDPA over a masked chunk rounds differently with the chunk: a bf16
+    Gemma 3 270M's first-token logprob moved by up to 0.06 between a fresh prompt and the same
+    prompt after a cache hit). Each row reads only its window's K/V rows, where SDPA computes
+    every masked pair.
+
+    Args:
+        query: ``[q_len, num_heads, head_dim]`` at positions ``context_len - q_len ..
+            context_len - 1``, their K/V already in the cache; block_table: ``[num_blocks]`` int64.
+
+    Returns:
+        ``[q_len, num_heads, head_dim]``.
+    """
+    q_len = query.shape[0]
+    context_lens = torch.arange(context_len - q_len + 1, context_len + 1)
+    block_tables = block_table.unsqueeze(0).expand(q_len, -1).contiguous()
+    return torch.ops.pagedllm.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                                     scale, sliding_window)
 
 
 def prefill_attention_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
