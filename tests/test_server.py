@@ -16,6 +16,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -108,9 +109,20 @@ def torch_threads(num_threads: int) -> Iterator[None]:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now, from 20000-32767: below Linux's ephemeral range (32768 on),
+    where the processes a server starts (Ray's raylet, GCS and agents) bind their own ports in
+    the moment before the server binds this one (a Ray Serve proxy once failed to bind a port
+    the OS had handed out at random), and above Ray's worker ports (10002-19999)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port in 20000-32767")
 
 
 class ServerProcess:
