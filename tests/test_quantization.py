@@ -240,7 +240,11 @@ def test_quantized_model_equals_float_model_with_dequantized_weights(method):
     torch.testing.assert_close(logits(quantized), logits(reference), rtol=1e-4, atol=1e-4)
 
 
-_STREAMED_FAMILIES = {"llama": {}, "qwen3_moe": dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)}
+_MOE = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+_STREAMED_FAMILIES = {"llama": {}, "qwen3_moe": _MOE, "qwen2": {}, "qwen3": {}, "mistral": dict(sliding_window=8),
+                      "phi3": {}, "gemma2": dict(sliding_window=8), "gemma3_text": dict(sliding_window=8),
+                      "mixtral": dict(num_local_experts=4, num_experts_per_tok=2), "olmoe": dict(num_experts=4, num_experts_per_tok=2)}
+_CALIBRATION_IDS = list(range(1, 40))
 
 
 def _dummy_checkpoint(tmp_path, model_type: str, dtype: torch.dtype):
@@ -256,13 +260,14 @@ def _dummy_checkpoint(tmp_path, model_type: str, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("method", ["int8", "int4", "w4a8"])
-@pytest.mark.parametrize("model_type", sorted(_STREAMED_FAMILIES))
+@pytest.mark.parametrize("model_type, method", [(t, m) for t in ("llama", "qwen3_moe") for m in ("int8", "int4", "w4a8")]
+                         + [(t, "w8a8") for t in sorted(_STREAMED_FAMILIES)])
 def test_layers_are_quantized_as_they_load(tmp_path, monkeypatch, model_type, method, dtype):
     """``build_model`` quantizes each decoder layer as soon as it is loaded (a 30B MoE does not
-    fit in float): while layer ``i``'s weights are read, no earlier layer holds a float
-    projection. The result equals quantizing after the whole float model is loaded: the same
-    tensors bitwise and the same ``unquantized_weight_bytes``."""
+    fit in float), w8a8 after the layer's calibration forward (``LayerCalibration``, every
+    family): while layer ``i``'s weights are read, no earlier layer holds a float projection.
+    The result equals quantizing after the whole float model is loaded (w8a8: calibrated by the
+    whole model's forward): the same tensors bitwise and the same ``unquantized_weight_bytes``."""
     from pagedllm.models import loader
     from pagedllm.models.quantize import quantize_model
 
@@ -289,13 +294,15 @@ def test_layers_are_quantized_as_they_load(tmp_path, monkeypatch, model_type, me
 
     monkeypatch.setitem(loader.MODEL_CLASSES, model_type, Recorded)
     watched = Watched(config, dtype)
-    streamed = build_model(config, watched, dtype, method)
+    streamed = build_model(config, watched, dtype, method, calibration_token_ids=_CALIBRATION_IDS)
     assert float_layers_seen and not any(float_layers_seen)
 
     with torch.device("meta"):
         whole = Recorded(config, dtype, method)
+    for owner, attribute, _ in whole.quantizable_linears():
+        getattr(owner, attribute).quantized_after_load = True  # as build_model: rows kept in order
     whole.load_hf_state_dict(weights)
-    quantize_model(whole)
+    quantize_model(whole, calibration_token_ids=_CALIBRATION_IDS)
     whole.pack_linear_weights()
     assert streamed.unquantized_weight_bytes == whole.unquantized_weight_bytes > weight_bytes(streamed)
     expected = whole.state_dict()

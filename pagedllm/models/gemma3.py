@@ -227,13 +227,23 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """As ``LlamaForCausalLM.forward``: ``[num_tokens]`` ids and positions ->
         ``[num_tokens, hidden_size]`` final-normed hidden states."""
+        hidden, _ = self.embed(input_ids)
+        for index, kv_cache in enumerate(kv_caches):
+            hidden, _ = self.run_layer(index, positions, hidden, None, kv_cache, metadata)
+        return self.norm(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """As ``LlamaForCausalLM.embed``, scaled by ``sqrt(hidden_size)``."""
         # HF multiplies by the scale as a tensor of the weights' dtype (sqrt(640) in bf16 is 25.25).
         normalizer = torch.tensor(self.config.hidden_size ** 0.5, dtype=self.dtype)
-        hidden = self.embed_tokens(input_ids) * normalizer
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            rotary = self.rotary_local if layer.layer_type == SLIDING else self.rotary
-            hidden = layer(positions, hidden, kv_cache, metadata, rotary)
-        return self.norm(hidden)
+        return self.embed_tokens(input_ids) * normalizer, None
+
+    def run_layer(self, index, positions, hidden, residual, kv_cache, metadata):
+        """As ``LlamaForCausalLM.run_layer``; ``hidden`` is the whole residual stream (the
+        residual is always None), and local layers take the local RoPE table."""
+        layer = self.layers[index]
+        rotary = self.rotary_local if layer.layer_type == SLIDING else self.rotary
+        return layer(positions, hidden, kv_cache, metadata, rotary), None
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor],
                            on_layer_loaded: Optional[Callable[[int], None]] = None) -> None:
@@ -243,8 +253,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         Raises:
             ValueError: a tensor is missing or has the wrong shape.
         """
-        super().load_hf_state_dict(state_dict, on_layer_loaded)
-        for i, layer in enumerate(self.layers):
+        def load_norms(i: int) -> None:
+            layer = self.layers[i]
             p = f"model.layers.{i}."
             norms = [("pre_feedforward_layernorm", layer.pre_feedforward_layernorm),
                      ("post_feedforward_layernorm", layer.post_feedforward_layernorm)]
@@ -258,6 +268,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                     raise ValueError(f"weight {key!r}: expected shape {tuple(norm.weight.shape)}, "
                                      f"got {tuple(state_dict[key].shape)}")
                 norm.weight = nn.Parameter(state_dict[key].to(self.dtype).contiguous(), requires_grad=False)
+
+        def layer_loaded(i: int) -> None:
+            load_norms(i)  # before the callback: the w8a8 calibration runs the whole layer there
+            if on_layer_loaded is not None:
+                on_layer_loaded(i)
+
+        super().load_hf_state_dict(state_dict, layer_loaded)
 
     @staticmethod
     def complete_hf_config(raw: dict, field: Callable[[str, object], object]) -> None:

@@ -351,14 +351,28 @@ class LlamaForCausalLM(nn.Module):
 
         Returns: ``[num_tokens, hidden_size]`` final-normed hidden states.
         """
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden, residual = self.embed(input_ids)
         lora_rows = self.lora_context is not None and self.lora_context.groups
         if self.fused_decode is not None and not lora_rows and self.fused_decode.applies(metadata, hidden.shape[0]):
             hidden, residual = self.fused_decode(hidden, positions, kv_caches, metadata)
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, self.rotary)
+            for index, kv_cache in enumerate(kv_caches):
+                hidden, residual = self.run_layer(index, positions, hidden, residual, kv_cache, metadata)
         return self.norm(hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The first decoder layer's input for ``[num_tokens]`` int64 ids: ``(hidden, residual)``,
+        hidden ``[num_tokens, hidden_size]`` in the compute dtype, residual None."""
+        return self.embed_tokens(input_ids), None
+
+    def run_layer(self, index: int, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                  kv_cache: tuple[torch.Tensor, torch.Tensor],
+                  metadata: AttentionMetadata) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Decoder layer ``index`` on the state ``embed`` or the layer before returned: the
+        next ``(hidden, residual)``. ``forward`` is ``embed``, this for every layer, the final
+        norm; the w8a8 calibration (``models/quantize.py: LayerCalibration``) runs it on each
+        layer as soon as that layer is loaded."""
+        return self.layers[index](positions, hidden, residual, kv_cache, metadata, self.rotary)
 
     def quantizable_linears(self) -> list[QuantizableLinear]:
         """The projections a quantization method replaces (``models/quantize.py``): per decoder

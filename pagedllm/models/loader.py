@@ -32,7 +32,7 @@ from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.quantized_checkpoint import (checkpoint_quantization, pop_quantized_modules,
                                                   read_quantized_weight, weight_shape)
-from pagedllm.models.quantize import quantize_linears, quantize_model
+from pagedllm.models.quantize import LayerCalibration, quantize_linears, quantize_model
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -353,21 +353,26 @@ def build_model(config: LlamaConfig, state_dict: dict[str, torch.Tensor], dtype:
             getattr(owner, attribute).quantized_after_load = True
     streamed_bytes_saved = 0
     on_layer_loaded = None
-    if quantization is not None and not from_checkpoint and not get_quant_method(quantization).needs_calibration:
-        # Quantize each decoder layer as soon as it is loaded, so that the float model is never
-        # whole: Qwen3-30B-A3B takes 61 GB in bf16, 19.4 GB in w4a8.
+    if quantization is not None and not from_checkpoint:
+        # Quantize each decoder layer as soon as it is loaded (w8a8: after its calibration
+        # forward), so that the float model is never whole: Qwen3-30B-A3B takes 61 GB in
+        # bf16, 19.4 GB in w4a8.
         by_layer: dict[str, list] = {}
         for linear in model.quantizable_linears():
             by_layer.setdefault(linear.checkpoint_names[0].split(".")[2], []).append(linear)
+        calibration = (LayerCalibration(model, calibration_token_ids)
+                       if get_quant_method(quantization).needs_calibration and calibration_token_ids else None)
 
         def on_layer_loaded(index: int) -> None:
             nonlocal streamed_bytes_saved
-            streamed_bytes_saved += quantize_linears(model, by_layer.pop(str(index), []), prequantized)
+            linears = by_layer.pop(str(index), [])
+            absmax = calibration.run_layer(index, linears) if calibration is not None else None
+            streamed_bytes_saved += quantize_linears(model, linears, prequantized, absmax)
             release_freed_memory()
 
     model.load_hf_state_dict(state_dict, on_layer_loaded)
     if model.quantization is not None:
-        quantize_model(model, prequantized, calibration_token_ids, streamed_bytes_saved)
+        quantize_model(model, prequantized, None, streamed_bytes_saved)
     model.pack_linear_weights()
     move_weights_to_huge_pages(model)
     if model.fused_decode is not None:

@@ -119,6 +119,58 @@ def calibration_token_ids(tokenizer, vocab_size: int, num_tokens: int = CALIBRAT
         else ids[-num_tokens:]
 
 
+class LayerCalibration:
+    """The calibration prefill of ``collect_input_absmax``, one decoder layer at a time: each
+    layer runs on the float output of the one before as soon as it is loaded, and can then be
+    quantized, so that the float model is never whole (Llama-3.1-8B in bf16 is 16 GB, in w8a8
+    8 GB). The same calls on the same inputs as the whole model's forward: the same absmax,
+    bitwise.
+
+    Args:
+        model: a ``LlamaForCausalLM`` (or subclass) whose embedding is loaded.
+        token_ids: the calibration text (``calibration_token_ids``).
+
+    Raises:
+        ValueError: ``token_ids`` is empty or longer than the model's positions.
+    """
+
+    def __init__(self, model: nn.Module, token_ids: list[int]) -> None:
+        if not token_ids or len(token_ids) > model.rotary.cos.shape[0]:
+            raise ValueError(f"calibration needs 1 to {model.rotary.cos.shape[0]} tokens, got {len(token_ids)}")
+        self.model = model
+        self.token_ids = torch.tensor(token_ids)
+        num_tokens = len(token_ids)
+        self.num_blocks = -(-num_tokens // _BLOCK_SIZE)
+        self.positions = torch.arange(num_tokens)
+        self.metadata = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens),
+            prefills=[PrefillSequence(0, num_tokens, num_tokens, torch.arange(self.num_blocks))])
+        self.state: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+
+    @torch.no_grad()
+    def run_layer(self, index: int, linears: list[QuantizableLinear]) -> dict[nn.Module, torch.Tensor]:
+        """Run decoder layer ``index`` (layers go in order from 0) and return ``{layer:
+        [in_features] fp32}``, the largest absolute input each of ``linears`` saw."""
+        model = self.model
+        if self.state is None:
+            self.state = model.embed(self.token_ids)
+        absmax: dict[nn.Module, torch.Tensor] = {}
+
+        def record(module: nn.Module, inputs: tuple) -> None:
+            seen = inputs[0].detach().float().abs().amax(dim=0)
+            absmax[module] = seen if module not in absmax else torch.maximum(absmax[module], seen)
+
+        hooks = [getattr(owner, attribute).register_forward_pre_hook(record) for owner, attribute, _ in linears]
+        try:
+            shape = (self.num_blocks, _BLOCK_SIZE, model.num_kv_heads_per_rank, model.config.head_dim)
+            kv_cache = (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+            self.state = model.run_layer(index, self.positions, *self.state, kv_cache, self.metadata)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return absmax
+
+
 @torch.no_grad()
 def collect_input_absmax(model: nn.Module, token_ids: list[int],
                          linears: Optional[list[QuantizableLinear]] = None) -> dict[nn.Module, torch.Tensor]:
