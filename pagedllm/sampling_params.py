@@ -240,6 +240,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
+            if value == -1:  # vLLM's "the whole vocabulary", refused there too under max_logprobs=20
+                raise ValueError(f"{name}=-1 asks for the whole vocabulary, more than the {MAX_LOGPROBS} "
+                                 f"alternatives per token allowed (vLLM's max_logprobs); ask for 0 to {MAX_LOGPROBS}")
             if value is not None:
                 _check_int(name, value, minimum=0)
                 if value > MAX_LOGPROBS:

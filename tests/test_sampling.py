@@ -31,6 +31,14 @@ def test_invalid_sampling_params_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+def test_logprobs_minus_one_says_the_whole_vocabulary_is_over_the_limit():
+    """vLLM reads ``logprobs=-1`` as the whole vocabulary, refused under its default
+    ``max_logprobs=20``; found by the fresh-user check, the message now says so."""
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"{field}=-1 asks for the whole vocabulary, more than the 20 "):
+            SamplingParams(**{field: -1})
+
+
 def test_b11_max_tokens_edge_cases_validated():
     with pytest.raises(ValueError, match="max_tokens must be >= 0, got -3"):
         SamplingParams(max_tokens=-3)

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from pagedllm.entrypoints.openai.tool_calls import held_back, parse_auto
+from pagedllm.entrypoints.openai.tool_calls import held_back, parse_auto, parse_forced
 from pagedllm.models.registry import NAMED_MODELS
 from tests.test_structured_outputs import make_engine, pytestmark  # noqa: F401 - same skip
 
@@ -85,6 +85,63 @@ def test_named_call_cut_by_max_tokens_keeps_its_call_as_streamed(client):
     calls, finish = streamed_calls(create(client, tool_choice=named, max_tokens=3, stream=True))
     assert finish == "length"
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_time", call.function.arguments)]
+
+
+def streamed_pieces(stream) -> dict[int, list[str]]:
+    """Per call index, the non-empty ``arguments`` pieces of the deltas, in order."""
+    pieces: dict[int, list[str]] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                if delta.function is not None and delta.function.arguments:
+                    pieces.setdefault(delta.index, []).append(delta.function.arguments)
+    return pieces
+
+
+def test_required_calls_stream_piece_by_piece_and_cut_short_keep_their_calls(client):
+    """Found by the fresh-user check: ``required`` sent each call whole when the reply ended,
+    and a reply cut by ``max_tokens`` came back as ``content`` holding pagedllm's own partial
+    JSON. Now its calls stream as they are generated (as a named function's), and a reply cut
+    at any length has no content and each call whose name was generated, its arguments a
+    prefix of the whole reply's (greedy), the same streamed or not."""
+    whole = create(client, tool_choice="required").choices[0].message.tool_calls
+    pieces = streamed_pieces(create(client, tool_choice="required", stream=True))
+    assert ["".join(pieces[i]) for i in sorted(pieces)] == [c.function.arguments for c in whole]
+    assert max(len(p) for p in pieces.values()) > 1
+    cut_calls = 0
+    for max_tokens in (1, 3, 6, 10, 15):
+        choice = create(client, tool_choice="required", max_tokens=max_tokens).choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        calls = choice.message.tool_calls or []
+        cut_calls += len(calls)
+        assert len(calls) <= len(whole)
+        for call, full in zip(calls, whole):
+            assert call.function.name == full.function.name
+            assert full.function.arguments.startswith(call.function.arguments)
+        streamed, finish = streamed_calls(create(client, tool_choice="required", max_tokens=max_tokens, stream=True))
+        assert finish == "length"
+        assert [(streamed[i]["name"], streamed[i]["arguments"]) for i in sorted(streamed)] == \
+            [(c.function.name, c.function.arguments) for c in calls]
+    assert cut_calls  # some cut came after a call's name
+
+
+def test_parse_forced_required_at_every_cut():
+    """Every prefix of a ``required`` reply (any JSON spacing) parses to the calls whose names
+    are complete, each one's arguments a prefix of its final text; the whole reply to every
+    call with its ``parameters`` text."""
+    for text in ('[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
+                 '{"name": "get_time", "parameters": {"timezone": "UTC"}}]',
+                 '[ { "name" : "f" , "parameters" : { } } ,{"parameters":{"x":[1,{"y":"}"}]},"name":"g"}]'):
+        final = parse_forced(text, "required", None)
+        assert [(c.name, json.loads(c.arguments)) for c in final] == \
+            [(c["name"], c["parameters"]) for c in json.loads(text)]
+        seen = 0
+        for cut in range(len(text) + 1):
+            calls = parse_forced(text[:cut], "required", None)
+            assert seen <= len(calls) <= len(final)
+            seen = len(calls)
+            for call, full in zip(calls, final):
+                assert call.name == full.name and full.arguments.startswith(call.arguments), (cut, call)
 
 
 def test_auto_parses_tool_call_blocks_from_the_reply(client):

@@ -135,15 +135,16 @@ class OpenAIServingChat(OpenAIServing):
     def _tool_calls(completion: CompletionOutput, mode: str, named: Optional[dict]) -> tuple[Any, list, Any]:
         """``(content, tool calls, finish_reason)`` of a finished choice. As OpenAI and vLLM:
         ``"tool_calls"`` when the model chose to call (auto, required), ``"stop"`` for a named
-        function; a ``required`` or ``auto`` reply cut by ``max_tokens`` that does not parse stays
-        text, a named function's keeps its call with the arguments generated so far."""
+        function. Cut by ``max_tokens``: an ``auto`` reply that does not parse stays text; a
+        ``required`` or named one keeps each call whose name was generated, with the arguments
+        generated so far, and no content (the forced JSON is pagedllm's own, not the model's
+        words)."""
         if mode == "none":
             return completion.text, [], completion.finish_reason
         if mode == "auto":
             content, calls = parse_auto(completion.text)
         else:
-            calls = parse_forced(completion.text, mode, named)
-            content = None if calls else completion.text
+            content, calls = None, parse_forced(completion.text, mode, named)
         finish_reason = completion.finish_reason
         if calls and mode != "named" and finish_reason == "stop":
             finish_reason = "tool_calls"
@@ -174,8 +175,9 @@ class OpenAIServingChat(OpenAIServing):
                       named: Optional[dict] = None, num_prompt_tokens: int = 0) -> AsyncIterator[str]:
         """Chunks as OpenAI streams them. With tools: a named function's arguments stream as
         ``delta.tool_calls[0].function.arguments`` pieces (the first delta carries id, type
-        and name); ``auto`` streams content until a ``<tool_call>`` begins, ``required``
-        nothing, and both send each parsed call as one delta when the choice ends."""
+        and name), and so do each of ``required``'s calls, as the array is generated; ``auto``
+        streams content until a ``<tool_call>`` begins and sends each parsed call as one delta
+        when the choice ends."""
         def chunk(index: int, delta: dict, logprobs: Optional[dict] = None, finish_reason: Optional[str] = None,
                   stop_reason: Any = None) -> str:
             body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
@@ -237,6 +239,17 @@ class OpenAIServingChat(OpenAIServing):
                 events.append(chunk(state.index, {"tool_calls": [
                     {"index": 0, "function": {"arguments": text[state.num_sent_chars:]}}]}))
             state.num_sent_chars = len(text)
+        elif mode == "required":
+            for index, call in enumerate(parse_forced(text, mode, named)):
+                if index == len(state.sent_arguments):
+                    header = call.as_openai(index)
+                    header["function"]["arguments"] = ""
+                    events.append(chunk(state.index, {"tool_calls": [header]}))
+                    state.sent_arguments.append(0)
+                piece = call.arguments[state.sent_arguments[index]:]
+                if piece:
+                    events.append(chunk(state.index, {"tool_calls": [{"index": index, "function": {"arguments": piece}}]}))
+                    state.sent_arguments[index] = len(call.arguments)
         elif mode == "auto" and not state.started:
             # Content streams until a tool call may begin; from there the choice is held.
             start = text.find("<tool_call>")
@@ -249,7 +262,7 @@ class OpenAIServingChat(OpenAIServing):
             return events
         state.finished = True
         content, calls, finish_reason = self._tool_calls(completion, mode, named)
-        if mode != "named":
+        if mode == "auto":
             if calls:
                 events.extend(chunk(state.index, {"tool_calls": [call.as_openai(index)]})
                               for index, call in enumerate(calls))

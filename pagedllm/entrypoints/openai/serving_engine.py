@@ -13,7 +13,7 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from fastapi import Request
@@ -40,6 +40,7 @@ class ChoiceState:
     num_sent_tokens: int = 0
     text_offset: int = 0  # characters of the choice's text sent, echoed prompt included
     finished: bool = False
+    sent_arguments: list[int] = field(default_factory=list)  # tool_choice "required": per call, characters sent
 
 
 @dataclass(frozen=True)

@@ -98,18 +98,61 @@ def constraint_schema(tools: list[dict], mode: str, named: Optional[dict]) -> Op
     return {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
 
 
+_JSON = json.JSONDecoder()
+_SPACE = re.compile(r"\s*")
+
+
 def parse_forced(text: str, mode: str, named: Optional[dict]) -> list[ToolCall]:
-    """The calls of a reply generated under ``constraint_schema``. A named function's call is
-    always there, its arguments being the text (cut short by ``max_tokens`` or a stop string they
-    are the prefix generated, as the streamed deltas are, and as vLLM returns them); ``required``
-    gives none if the reply was cut short and does not parse."""
+    """The calls of a reply generated under ``constraint_schema``, whole or cut short (by
+    ``max_tokens``, a stop string, or while it streams). A named function's call is always
+    there, its arguments being the text. ``required``'s reply is a JSON array of ``{"name",
+    "parameters"}`` objects: each call whose name is complete, its arguments the text of its
+    ``parameters`` value as generated (cut short: the prefix so far). So a stream can send each
+    call's arguments piece by piece, and the pieces join to the finished reply's arguments (an
+    incomplete call's as OpenAI returns them: text that may not parse)."""
     if mode == "named":
         return [ToolCall(named["name"], text)]
-    try:
-        calls = json.loads(text)
-    except ValueError:
-        return []
-    return [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in calls]
+    calls: list[ToolCall] = []
+    pos = _SPACE.match(text).end()
+    if not text.startswith("[", pos):
+        return calls
+    pos += 1
+    while True:  # one call per turn, from just after "[" or ","
+        pos = _SPACE.match(text, pos).end()
+        if not text.startswith("{", pos):
+            return calls  # "]" or not generated yet
+        pos += 1
+        name = arguments = None
+        while True:  # one key per turn
+            pos = _SPACE.match(text, pos).end()
+            if text.startswith("}", pos):
+                pos += 1
+                break
+            if text.startswith(",", pos):
+                pos = _SPACE.match(text, pos + 1).end()
+            try:
+                key, pos = _JSON.raw_decode(text, pos)
+                pos = _SPACE.match(text, pos).end()
+                if not text.startswith(":", pos):
+                    raise ValueError("cut before ':'")
+                pos = _SPACE.match(text, pos + 1).end()
+            except ValueError:
+                key, pos = None, len(text)
+            try:
+                value, end = _JSON.raw_decode(text, pos)
+            except ValueError:  # cut short inside this value
+                if name is not None:
+                    calls.append(ToolCall(name, text[pos:] if key == "parameters" else arguments or ""))
+                return calls
+            if key == "name":
+                name = value
+            elif key == "parameters":
+                arguments = text[pos:end]
+            pos = end
+        calls.append(ToolCall(name, arguments or ""))
+        pos = _SPACE.match(text, pos).end()
+        if text.startswith(",", pos):
+            pos += 1
 
 
 def parse_auto(text: str) -> tuple[Optional[str], list[ToolCall]]:
