@@ -13,7 +13,8 @@ first ``ACCURACY_TOKENS`` tokens are the perplexity set, the calibration starts 
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -135,8 +136,7 @@ class LayerCalibration:
     """
 
     def __init__(self, model: nn.Module, token_ids: list[int]) -> None:
-        if not token_ids or len(token_ids) > model.rotary.cos.shape[0]:
-            raise ValueError(f"calibration needs 1 to {model.rotary.cos.shape[0]} tokens, got {len(token_ids)}")
+        _check_calibration_tokens(model, token_ids)
         self.model = model
         self.token_ids = torch.tensor(token_ids)
         num_tokens = len(token_ids)
@@ -154,21 +154,39 @@ class LayerCalibration:
         model = self.model
         if self.state is None:
             self.state = model.embed(self.token_ids)
-        absmax: dict[nn.Module, torch.Tensor] = {}
-
-        def record(module: nn.Module, inputs: tuple) -> None:
-            seen = inputs[0].detach().float().abs().amax(dim=0)
-            absmax[module] = seen if module not in absmax else torch.maximum(absmax[module], seen)
-
-        hooks = [getattr(owner, attribute).register_forward_pre_hook(record) for owner, attribute, _ in linears]
-        try:
-            shape = (self.num_blocks, _BLOCK_SIZE, model.num_kv_heads_per_rank, model.config.head_dim)
-            kv_cache = (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
-            self.state = model.run_layer(index, self.positions, *self.state, kv_cache, self.metadata)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        with _recording_absmax(linears) as absmax:
+            self.state = model.run_layer(index, self.positions, *self.state, _kv_cache(model, self.num_blocks),
+                                         self.metadata)
         return absmax
+
+
+def _check_calibration_tokens(model: nn.Module, token_ids: list[int]) -> None:
+    if not token_ids or len(token_ids) > model.rotary.cos.shape[0]:
+        raise ValueError(f"calibration needs 1 to {model.rotary.cos.shape[0]} tokens, got {len(token_ids)}")
+
+
+def _kv_cache(model: nn.Module, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zeroed (K, V) cache pair of ``num_blocks`` blocks for one of the model's layers."""
+    shape = (num_blocks, _BLOCK_SIZE, model.num_kv_heads_per_rank, model.config.head_dim)
+    return torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype)
+
+
+@contextmanager
+def _recording_absmax(linears: list[QuantizableLinear]) -> Iterator[dict[nn.Module, torch.Tensor]]:
+    """Within the block, every forward of one of ``linears`` records into the yielded dict the
+    largest ``|x[:, k]|`` of its inputs so far (``{layer: [in_features] fp32}``)."""
+    absmax: dict[nn.Module, torch.Tensor] = {}
+
+    def record(module: nn.Module, inputs: tuple) -> None:
+        seen = inputs[0].detach().float().abs().amax(dim=0)
+        absmax[module] = seen if module not in absmax else torch.maximum(absmax[module], seen)
+
+    hooks = [getattr(owner, attribute).register_forward_pre_hook(record) for owner, attribute, _ in linears]
+    try:
+        yield absmax
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @torch.no_grad()
@@ -181,26 +199,13 @@ def collect_input_absmax(model: nn.Module, token_ids: list[int],
     Raises:
         ValueError: ``token_ids`` is empty or longer than the model's positions.
     """
-    if not token_ids or len(token_ids) > model.rotary.cos.shape[0]:
-        raise ValueError(f"calibration needs 1 to {model.rotary.cos.shape[0]} tokens, got {len(token_ids)}")
-    absmax: dict[nn.Module, torch.Tensor] = {}
-
-    def record(module: nn.Module, inputs: tuple) -> None:
-        seen = inputs[0].detach().float().abs().amax(dim=0)
-        absmax[module] = seen if module not in absmax else torch.maximum(absmax[module], seen)
-
+    _check_calibration_tokens(model, token_ids)
     linears = model.quantizable_linears() if linears is None else linears
-    hooks = [getattr(owner, attribute).register_forward_pre_hook(record) for owner, attribute, _ in linears]
-    try:
+    with _recording_absmax(linears) as absmax:
         num_tokens = len(token_ids)
         num_blocks = -(-num_tokens // _BLOCK_SIZE)
-        cache_shape = (num_blocks, _BLOCK_SIZE, model.num_kv_heads_per_rank, model.config.head_dim)
-        kv_caches = [(torch.zeros(cache_shape, dtype=model.dtype), torch.zeros(cache_shape, dtype=model.dtype))
-                     for _ in model.layers]
         metadata = AttentionMetadata(slot_mapping=torch.arange(num_tokens),
                                      prefills=[PrefillSequence(0, num_tokens, num_tokens, torch.arange(num_blocks))])
-        model(torch.tensor(token_ids), torch.arange(num_tokens), kv_caches, metadata)
-    finally:
-        for hook in hooks:
-            hook.remove()
+        model(torch.tensor(token_ids), torch.arange(num_tokens), [_kv_cache(model, num_blocks) for _ in model.layers],
+              metadata)
     return absmax
