@@ -37,7 +37,7 @@ from pagedllm.serve_ray.options import ReplicaPlan
 from pagedllm.serve_ray.prefix_index import PrefixIndex, prefix_block_hashes
 from pagedllm.serve_ray.router import PrefixAwareRequestRouter
 from tests.test_server import (API_KEY, MODEL, ServerProcess, greedy_alone, reference_engine, slowed,
-                               smollm2_tokenizer, sse_events, tiny_chat_engine)
+                               smollm2_tokenizer, sse_events, tiny_chat_engine, wait_for_metrics)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LIMITED_KEY = "limited-key"
@@ -132,8 +132,20 @@ def test_openai_client_stream_and_not_equal_offline_greedy(ray_server, reference
     assert "".join(c.choices[0].delta.content or "" for c in stream) == expected_chat
     assert [m.id for m in api.models.list().data] == [MODEL]
     assert httpx.get(ray_server.url + "/health").status_code == 200
-    metrics = httpx.get(ray_server.url + "/metrics").text
-    assert metrics.count("vllm:num_requests_waiting{") == 2  # one series per replica
+    # /metrics: every replica's engine series, labelled by replica; the request counters and
+    # histograms over both replicas count the 4 requests above (as of the replicas' next report).
+    generated = 2 * 12 + 2 * chat.usage.completion_tokens  # the chat stream is the same greedy reply
+
+    def total(values: dict, name: str) -> float:
+        return sum(v for key, v in values.items() if key.split("{")[0] == name)
+
+    values = wait_for_metrics(ray_server.url, lambda v: total(v, "pagedllm:e2e_request_latency_seconds_count") == 4)
+    assert total(values, "pagedllm:request_success_total") == 4
+    assert total(values, "pagedllm:generation_tokens_total") == generated
+    replica_ids = set(replicas(ray_server.url))
+    for name in ("vllm:num_requests_waiting", "pagedllm:time_to_first_token_seconds_count"):
+        assert {key.split('replica="')[1].split('"')[0] for key in values if key.split("{")[0] == name} == replica_ids
+    assert values["pagedllm:num_replicas"] == 2
     # 2 replicas on C cores: C // 2 torch threads each, never more than the machine has.
     cores = len(os.sched_getaffinity(0))
     assert [r["num_threads"] for r in replicas(ray_server.url).values()] == [max(1, cores // 2)] * 2

@@ -16,7 +16,7 @@ with ``ReplicaLostError`` (503, the SSE error event), never a hang. The error na
 internals (actor ids, pids); the log has them.
 
 What the routes read as snapshots (``stats``, ``load``, ``is_healthy``, ``/metrics``) comes from
-the replicas' reports (``EngineReplica.report``), fetched every ``report_interval`` seconds:
+the replicas' reports (``EngineReplica.record_routing_stats``), fetched every ``report_interval`` seconds:
 ``stats``/``load`` are those of the replica with the shortest estimated wait, where a new
 request could run soonest, so overload protection refuses (503) only when every replica is
 overloaded.
@@ -32,7 +32,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 import ray
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from ray.exceptions import RayActorError, RayTaskError
 
 from pagedllm.engine.async_engine import EngineDeadError, EngineDrainingError
@@ -181,9 +181,12 @@ class RemoteRequestStream:
 
 
 class IngressMetrics:
-    """The ingress's ``/metrics``: its own registry (the per-key series ``build_app`` adds) and
-    gauges of each replica's last report, labelled ``replica`` (pagedllm's and vLLM's names for
-    waiting, running and KV usage, so that routers and dashboards built for them work)."""
+    """The ingress's ``/metrics``: its own registry (the per-key series ``build_app`` adds), every
+    series of each replica's engine metrics as of its last report (``EngineReplica.record_routing_stats``:
+    request counters, latency histograms, waiting/running/KV-usage gauges under pagedllm's and
+    vLLM's names), each with a ``replica`` label added, and ``pagedllm:num_replicas``. A family
+    that several replicas export is one family holding every replica's samples, so
+    ``sum by (model_name)`` over it is the deployment's total."""
 
     def __init__(self, model_name: str, client: "RayEngineClient") -> None:
         self.model_name = model_name
@@ -195,34 +198,21 @@ class IngressMetrics:
         return []  # prometheus_client: a collector without describe() would be collected at registration
 
     def collect(self):
-        labels = ["model_name", "replica"]
-        families = []
-        for prefix in ("pagedllm:", "vllm:"):
-            running = GaugeMetricFamily(f"{prefix}num_requests_running", "Requests running on the replica.",
-                                        labels=labels)
-            waiting = GaugeMetricFamily(f"{prefix}num_requests_waiting", "Requests waiting on the replica.",
-                                        labels=labels)
-            usage = GaugeMetricFamily(f"{prefix}kv_cache_usage_perc", "KV cache usage of the replica (1 = full).",
-                                      labels=labels)
-            families += [running, waiting, usage]
-            for replica, report in sorted(self._client.reports.items()):
-                running.add_metric([self.model_name, replica], report["running"])
-                waiting.add_metric([self.model_name, replica], report["waiting"])
-                usage.add_metric([self.model_name, replica], report["kv_cache_usage"])
-        queries = CounterMetricFamily("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                                      "cache of the replica.", labels=labels)
-        hits = CounterMetricFamily("pagedllm:prefix_cache_hits", "Of those, tokens found.", labels=labels)
-        healthy = GaugeMetricFamily("pagedllm:engine_healthy", "1 while the replica's engine loop runs.",
-                                    labels=labels)
+        merged: dict[str, Metric] = {}
+        for replica, families in sorted(self._client.replica_metrics.items()):
+            for family in families:
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                elif into.type != family.type:
+                    continue  # replicas of different versions: keep the first replica's kind
+                into.samples.extend(sample._replace(labels={**sample.labels, "replica": replica})
+                                    for sample in family.samples)
         replicas = GaugeMetricFamily("pagedllm:num_replicas", "Engine replicas that answered the last report.",
                                      labels=["model_name"])
         replicas.add_metric([self.model_name], len(self._client.reports))
-        for replica, report in sorted(self._client.reports.items()):
-            queries.add_metric([self.model_name, replica], report["prefix_cache_queries"])
-            hits.add_metric([self.model_name, replica], report["prefix_cache_hits"])
-            healthy.add_metric([self.model_name, replica], 1.0 if report["healthy"] else 0.0)
-        yield from families
-        yield from (queries, hits, healthy, replicas)
+        yield from merged.values()
+        yield replicas
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -252,6 +242,7 @@ class RayEngineClient:
         self.dead_error: Optional[BaseException] = None
         self.draining = False
         self.reports: dict[str, dict] = {}  # replica id -> its last report
+        self.replica_metrics: dict[str, list[Metric]] = {}  # replica id -> its engine metrics then
         self.metrics = IngressMetrics(served_model_name, self)
         self.max_retries = max_retries
         self.report_interval = report_interval
@@ -370,6 +361,7 @@ class RayEngineClient:
     def update_reports(self, reports: dict[str, dict]) -> None:
         """Publish ``reports``: ``stats`` and ``load`` become those of the replica a new
         request would start soonest on (shortest estimated wait, then fewest waiting)."""
+        self.replica_metrics = {replica: report.pop("metrics", []) for replica, report in reports.items()}
         self.reports = reports
         healthy = [r for r in reports.values() if r["healthy"]]
         if not healthy:

@@ -119,8 +119,13 @@ class EngineReplica:
                 "prefix_hashes": self.prefixes.keys()}
 
     def record_routing_stats(self) -> dict:
-        """Serve's hook: called by the controller every ``request_routing_stats_period_s``."""
-        return self.report()
+        """Serve's hook: called by the controller every ``request_routing_stats_period_s``, and
+        by the ingress (``RayEngineClient.fetch_reports``). ``report()`` and, under ``metrics``,
+        the engine's Prometheus families as collected now (``prometheus_client`` ``Metric``
+        objects, ~17 KB pickled: request counters, latency histograms, gauges), which the
+        ingress's ``/metrics`` serves with a ``replica`` label; Serve gives the whole dict to
+        the router too, which reads only the load and the prefix keys."""
+        return {**self.report(), "metrics": list(self.engine.metrics.registry.collect())}
 
     def check_health(self) -> None:
         """Serve's hook: raising makes the controller replace this replica.
