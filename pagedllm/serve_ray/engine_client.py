@@ -204,8 +204,6 @@ class IngressMetrics:
                 into = merged.get(family.name)
                 if into is None:
                     into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
-                elif into.type != family.type:
-                    continue  # replicas of different versions: keep the first replica's kind
                 into.samples.extend(sample._replace(labels={**sample.labels, "replica": replica})
                                     for sample in family.samples)
         replicas = GaugeMetricFamily("pagedllm:num_replicas", "Engine replicas that answered the last report.",
