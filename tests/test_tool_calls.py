@@ -35,7 +35,8 @@ def client():
 
 def create(client, **kwargs):
     kwargs.setdefault("max_tokens", 300)
-    return client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, temperature=0, **kwargs)
+    kwargs.setdefault("temperature", 0)
+    return client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, **kwargs)
 
 
 def streamed_calls(stream) -> tuple[dict[int, dict], str]:
@@ -123,6 +124,31 @@ def test_required_calls_stream_piece_by_piece_and_cut_short_keep_their_calls(cli
         assert [(streamed[i]["name"], streamed[i]["arguments"]) for i in sorted(streamed)] == \
             [(c.function.name, c.function.arguments) for c in calls]
     assert cut_calls  # some cut came after a call's name
+
+
+def test_parallel_tool_calls_false_gives_one_call_per_choice(client):
+    """Found by the fresh-user check: ``parallel_tool_calls: false`` was accepted and ignored.
+    Sampled ``required`` replies hold several calls unless it is false (the array is then
+    constrained to one item), streamed or not; an ``auto`` reply keeps its first call."""
+    def counts(**kwargs) -> list[int]:
+        response = create(client, tool_choice="required", temperature=1.0, seed=0, n=8, max_tokens=60, **kwargs)
+        return [len(choice.message.tool_calls or []) for choice in response.choices]
+    assert max(counts()) > 1
+    assert counts(parallel_tool_calls=False) == [1] * 8
+    calls, finish = streamed_calls(create(client, tool_choice="required", temperature=1.0, seed=1,
+                                          parallel_tool_calls=False, stream=True))
+    assert len(calls) == 1 and finish == "tool_calls"
+    block = r'<tool_call>\n\{"name": "get_time", "arguments": \{"timezone": "(UTC|CET)"\}\}\n</tool_call>'
+    two = {"guided_regex": block + "\n" + block}
+    assert len(create(client, tool_choice="auto", extra_body=two).choices[0].message.tool_calls) == 2
+    for stream in (False, True):
+        response = create(client, tool_choice="auto", extra_body=two, parallel_tool_calls=False, stream=stream)
+        if stream:
+            calls, finish = streamed_calls(response)
+            assert len(calls) == 1 and calls[0]["name"] == "get_time" and finish == "tool_calls"
+        else:
+            (call,) = response.choices[0].message.tool_calls
+            assert call.function.name == "get_time" and response.choices[0].finish_reason == "tool_calls"
 
 
 def test_parse_forced_required_at_every_cut():

@@ -223,6 +223,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[Int] = None
     tools: Optional[list[Any]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Bool = True  # false: at most one call per choice (OpenAI's)
     # vLLM extensions: echo puts the last message before the reply when it is the assistant's
     # (continue_final_message); chat_template_kwargs are the template's own variables
     # (enable_thinking, ...); a chat_template of the request's own is refused, as vLLM refuses

@@ -97,7 +97,7 @@ class OpenAIServingChat(OpenAIServing):
             if error.param == "logprobs":  # chat's top_logprobs is SamplingParams.logprobs
                 error = OpenAIError(400, "top_" + str(exc), param="top_logprobs")
             raise error from exc
-        schema = constraint_schema(request.tools, mode, named)
+        schema = constraint_schema(request.tools, mode, named, request.parallel_tool_calls)
         if schema is not None:
             if params.structured_outputs is not None:
                 raise OpenAIError(400, f"tool_choice {request.tool_choice!r} constrains the reply already: "
@@ -132,17 +132,20 @@ class OpenAIServingChat(OpenAIServing):
         return last.as_template_message()["content"]
 
     @staticmethod
-    def _tool_calls(completion: CompletionOutput, mode: str, named: Optional[dict]) -> tuple[Any, list, Any]:
+    def _tool_calls(completion: CompletionOutput, mode: str, named: Optional[dict],
+                    parallel: bool) -> tuple[Any, list, Any]:
         """``(content, tool calls, finish_reason)`` of a finished choice. As OpenAI and vLLM:
         ``"tool_calls"`` when the model chose to call (auto, required), ``"stop"`` for a named
         function. Cut by ``max_tokens``: an ``auto`` reply that does not parse stays text; a
         ``required`` or named one keeps each call whose name was generated, with the arguments
         generated so far, and no content (the forced JSON is pagedllm's own, not the model's
-        words)."""
+        words). Not ``parallel`` (``parallel_tool_calls: false``): an ``auto`` reply's first call
+        only (a ``required`` one is constrained to one already)."""
         if mode == "none":
             return completion.text, [], completion.finish_reason
         if mode == "auto":
             content, calls = parse_auto(completion.text)
+            calls = calls if parallel else calls[:1]
         else:
             content, calls = None, parse_forced(completion.text, mode, named)
         finish_reason = completion.finish_reason
@@ -158,7 +161,7 @@ class OpenAIServingChat(OpenAIServing):
             if request.logprobs:
                 logprobs = {"content": self._logprobs(completion.token_ids, completion.logprobs or [],
                                                       request.top_logprobs or 0)}
-            content, calls, finish_reason = self._tool_calls(completion, mode, named)
+            content, calls, finish_reason = self._tool_calls(completion, mode, named, request.parallel_tool_calls)
             if content is not None:
                 content = self._echo(request) + content
             message = {"role": "assistant", "content": content}
@@ -205,7 +208,7 @@ class OpenAIServingChat(OpenAIServing):
                 if state.finished:
                     continue
                 if mode != "none":
-                    for event in self._stream_tools(state, completion, mode, named, chunk):
+                    for event in self._stream_tools(state, completion, mode, named, chunk, request.parallel_tool_calls):
                         yield event
                     continue
                 text = completion.text[state.num_sent_chars:]
@@ -226,7 +229,7 @@ class OpenAIServingChat(OpenAIServing):
                        "model": self.response_model(request.model), "choices": [], "usage": usage([final])})
 
     def _stream_tools(self, state: ChoiceState, completion: CompletionOutput, mode: str,
-                      named: Optional[dict], chunk: Any) -> list[str]:
+                      named: Optional[dict], chunk: Any, parallel: bool) -> list[str]:
         """The chunks of one choice's new output under ``tools`` (see ``_stream``)."""
         events = []
         text = completion.text
@@ -261,7 +264,7 @@ class OpenAIServingChat(OpenAIServing):
         if completion.finish_reason is None:
             return events
         state.finished = True
-        content, calls, finish_reason = self._tool_calls(completion, mode, named)
+        content, calls, finish_reason = self._tool_calls(completion, mode, named, parallel)
         if mode == "auto":
             if calls:
                 events.extend(chunk(state.index, {"tool_calls": [call.as_openai(index)]})

@@ -85,8 +85,9 @@ def check_tools(tools: Optional[list[Any]], tool_choice: Any) -> tuple[str, Opti
     return "named", functions[name]
 
 
-def constraint_schema(tools: list[dict], mode: str, named: Optional[dict]) -> Optional[dict]:
-    """The JSON schema that forces the reply into tool calls (None for ``auto``/``none``)."""
+def constraint_schema(tools: list[dict], mode: str, named: Optional[dict], parallel: bool = True) -> Optional[dict]:
+    """The JSON schema that forces the reply into tool calls (None for ``auto``/``none``); not
+    ``parallel`` (``parallel_tool_calls: false``), ``required``'s array holds one call."""
     if mode == "named":
         return named.get("parameters") or {"type": "object"}
     if mode != "required":
@@ -95,7 +96,7 @@ def constraint_schema(tools: list[dict], mode: str, named: Optional[dict]) -> Op
                  "properties": {"name": {"enum": [t["function"]["name"]]},
                                 "parameters": t["function"].get("parameters") or {"type": "object"}}}
                 for t in tools]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": variants}}
 
 
 _JSON = json.JSONDecoder()
