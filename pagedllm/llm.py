@@ -13,7 +13,7 @@ from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-from pagedllm.utils import check_chat_template_kwargs
+from pagedllm.utils import CHAT_ROLES, check_chat_template_kwargs
 
 
 class LLM:
@@ -130,7 +130,7 @@ class LLM:
 
         Raises:
             ValueError: no conversation, an empty one, a message that is not a dict with a
-                string ``role``, or a ``chat_template_kwargs`` key that is one of
+                ``role`` among ``utils.CHAT_ROLES``, or a ``chat_template_kwargs`` key that is one of
                 ``apply_chat_template``'s parameters.
         """
         if not messages:
@@ -148,7 +148,8 @@ class LLM:
         model's; special tokens added once).
 
         Raises:
-            ValueError: no chat template, an empty conversation, a malformed message, a
+            ValueError: no chat template, an empty conversation, a malformed message (not a dict,
+                or a role outside ``CHAT_ROLES``), a
                 reserved ``chat_template_kwargs`` key, or text too long for ``max_model_len``
                 (refused before it is tokenized).
         """
@@ -157,6 +158,9 @@ class LLM:
         for index, message in enumerate(conversation):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ValueError(f"message {index} must be a dict with a string 'role', got {message!r}")
+            if message["role"] not in CHAT_ROLES:
+                raise ValueError(f"message {index} has role {message['role']!r}; the roles are {list(CHAT_ROLES)} "
+                                 "(as the server takes them)")
         conversation = [{**m, "content": m.get("content") or ""} for m in conversation]
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):

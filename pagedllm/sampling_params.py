@@ -164,6 +164,8 @@ class SamplingParams:
       output follows a JSON schema, regex, choice or grammar; the request ends (``"stop"``)
       when the constraint is complete, or at ``max_tokens`` (``"length"``) with what was
       generated. ``guided_decoding`` is vLLM's older name for the same field.
+    - ``truncate_prompt_tokens``: keep only the last k tokens of the prompt (-1: the last
+      ``max_model_len``), as vLLM; the prompt text may then be longer than ``max_model_len``.
 
     Logprobs are *raw*: log-softmax of the model's logits before penalties, bias, masks,
     temperature or top-k/top-p/min-p (vLLM's default ``logprobs_mode="raw_logprobs"``), so a
@@ -198,6 +200,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: Optional[StructuredOutputsParams] = None
     guided_decoding: Optional[StructuredOutputsParams] = None
+    truncate_prompt_tokens: Optional[int] = None
     # Token ids of ``bad_words``, filled by the engine with its tokenizer.
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -236,6 +239,10 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=0)
         _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens must be >= 1 or -1 (the last max_model_len tokens), got 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -41,6 +41,9 @@ def check_port_free(host: str, port: int) -> None:
         raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's message roles, as the server takes them
+
+
 def check_chat_template_kwargs(tokenizer: Any, kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
     """The chat template's own variables (vLLM's ``chat_template_kwargs``, e.g. Qwen3's
     ``enable_thinking``) as keyword arguments for ``tokenizer.apply_chat_template``.

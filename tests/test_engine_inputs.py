@@ -38,6 +38,7 @@ valid_kwargs = st.fixed_dictionaries({}, optional={
     "logit_bias": st.dictionaries(valid_ids, st.floats(-100, 100), max_size=3),
     "allowed_token_ids": st.lists(valid_ids, min_size=1, max_size=4),
     "output_kind": st.sampled_from(list(RequestOutputKind)),
+    "truncate_prompt_tokens": st.one_of(st.none(), st.just(-1), st.integers(1, 50)),
 })
 # ... and anything near or past the edges (the rest).
 wild_kwargs = st.fixed_dictionaries({}, optional={
@@ -46,7 +47,7 @@ wild_kwargs = st.fixed_dictionaries({}, optional={
     "stop_token_ids": st.lists(token_ids, max_size=3), "max_tokens": st.integers(-2, 100),
     "min_tokens": st.integers(-1, 100), "logprobs": st.integers(-2, 10**6),
     "prompt_logprobs": st.integers(-2, 10**6), "logit_bias": st.dictionaries(token_ids, floats, max_size=3),
-    "allowed_token_ids": st.lists(token_ids, max_size=4),
+    "allowed_token_ids": st.lists(token_ids, max_size=4), "truncate_prompt_tokens": st.integers(-3, 60),
 })
 prompts = st.lists(valid_ids, min_size=1, max_size=40)
 requests = st.lists(st.tuples(

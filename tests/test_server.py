@@ -547,6 +547,31 @@ def test_b08_prompt_longer_than_max_model_len_over_http(server, client):
     assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, reference):
+    """vLLM's ``truncate_prompt_tokens`` (was accepted and ignored): the last k prompt tokens
+    run, so a text or token prompt longer than ``max_model_len`` is served, and the answer is
+    that of the last k tokens alone; completions and chat; k = 0 or below -1 is a 400."""
+    tokenizer = smollm2_tokenizer()
+    text = " hello world" * MAX_MODEL_LEN  # 2 x MAX_MODEL_LEN tokens
+    ids = tokenizer.encode(text)
+    k = 24
+    expected = greedy_alone(reference, {"prompt_token_ids": ids[-k:]}, 6, ignore_eos=True)[0]
+    for prompt in (text, ids):
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True, "truncate_prompt_tokens": k})
+        assert response.usage.prompt_tokens == k and response.choices[0].text == expected
+    last = client.completions.create(model=MODEL, prompt=ids, max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": MAX_MODEL_LEN - 1})
+    assert last.usage.prompt_tokens == MAX_MODEL_LEN - 1
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=3,
+                                          extra_body={"truncate_prompt_tokens": k})
+    assert chat.usage.prompt_tokens == k
+    for bad in (0, -5):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"truncate_prompt_tokens": bad})
+        assert info.value.body["param"] == "truncate_prompt_tokens" and str(bad) in info.value.body["message"]
+
+
 def test_b10_empty_prompt_is_400_and_engine_keeps_serving(server, client):
     assert smollm2_tokenizer().encode("") == []
     for prompt in ("", []):

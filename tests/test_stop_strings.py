@@ -202,6 +202,8 @@ def test_chat_template_and_its_kwargs(smollm2_llm_fp32):
     ([[]], "a conversation is empty"),
     ([{"content": "hi"}], "message 0 must be a dict with a string 'role'"),
     (["hello"], "message 0 must be a dict"),
+    # as the server's 400 (a fresh user's report: LLM.chat rendered it as "<|im_start|>bot")
+    ([{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}], "message 1 has role 'bot'; the roles are"),
 ])
 def test_chat_rejects_malformed_conversations(smollm2_llm_fp32, messages, message):
     with pytest.raises(ValueError, match=message):
@@ -211,3 +213,11 @@ def test_chat_rejects_malformed_conversations(smollm2_llm_fp32, messages, messag
 def test_chat_message_without_content_renders_as_empty_text(smollm2_llm_fp32):
     bare = smollm2_llm_fp32.encode_chat([{"role": "user"}])
     assert bare == smollm2_llm_fp32.encode_chat([{"role": "user", "content": ""}])
+
+
+def test_llm_chat_and_the_server_take_the_same_roles():
+    import typing
+
+    from pagedllm.entrypoints.openai.protocol import ChatMessage
+    from pagedllm.utils import CHAT_ROLES
+    assert typing.get_args(ChatMessage.model_fields["role"].annotation) == CHAT_ROLES

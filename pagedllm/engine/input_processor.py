@@ -100,7 +100,7 @@ class InputProcessor:
             if not self.model_info.max_loras:
                 raise ValueError(f"request {request_id!r} asks for LoRA adapter {lora_request.lora_name!r}, "
                                  "but LoRA is off: start the engine with enable_lora=True (--enable-lora)")
-        prompt_text, prompt_token_ids = self.tokenize(prompt)
+        prompt_text, prompt_token_ids = self.tokenize(prompt, self.truncation(params))
         max_tokens = self.check_prompt(prompt_token_ids, params)
         return ProcessedRequest(request_id, prompt_text, prompt_token_ids, params, max_tokens, cache_salt,
                                 time.monotonic() if arrival_time is None else arrival_time,
@@ -119,40 +119,50 @@ class InputProcessor:
             raise ValueError("structured_outputs needs a tokenizer; this engine has none")
         return self.model_info.grammar_compiler.compile(params.structured_outputs)
 
-    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def truncation(self, params: Optional[SamplingParams]) -> Optional[int]:
+        """How many trailing prompt tokens ``params.truncate_prompt_tokens`` keeps (-1 resolved
+        to ``max_model_len``), or None: all of them."""
+        keep = params.truncate_prompt_tokens if params is not None else None
+        return self.model_info.max_model_len if keep == -1 else keep
+
+    def tokenize(self, prompt: PromptType, truncate: Optional[int] = None) -> tuple[Optional[str], list[int]]:
         """``(text or None, token ids)`` of a prompt: text, a list of token ids, or a dict with
-        ``prompt_token_ids`` (and optionally ``prompt``) or ``prompt``.
+        ``prompt_token_ids`` (and optionally ``prompt``) or ``prompt``; given ``truncate``
+        (``truncation``), only the last ``truncate`` ids (the text stays whole).
 
         Raises:
             ValueError: another type, a dict with neither key, text too long for
-                ``max_model_len`` (see ``check_text_length``), text that is not UTF-8, or text
-                without a tokenizer.
+                ``max_model_len`` (see ``check_text_length``; not checked when truncating),
+                text that is not UTF-8, or text without a tokenizer.
         """
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])[-truncate if truncate else 0:]
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
+            return None, list(prompt)[-truncate if truncate else 0:]
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-        return prompt, self.encode(prompt)
+        return prompt, self.encode(prompt, truncate=truncate)
 
-    def encode(self, text: str, what: str = "prompt", **kwargs: Any) -> list[int]:
-        """``text`` (a prompt) through the tokenizer (``kwargs`` go to ``encode``).
+    def encode(self, text: str, what: str = "prompt", truncate: Optional[int] = None, **kwargs: Any) -> list[int]:
+        """``text`` (a prompt) through the tokenizer (``kwargs`` go to ``encode``); given
+        ``truncate``, its last ``truncate`` token ids.
 
         Raises:
-            ValueError: text too long for ``max_model_len`` (see ``check_text_length``), text
-                that is not valid UTF-8 (naming ``what``), or no tokenizer.
+            ValueError: text too long for ``max_model_len`` (see ``check_text_length``; not
+                checked when truncating), text that is not valid UTF-8 (naming ``what``), or no
+                tokenizer.
         """
-        self.check_text_length(text, what)
+        if truncate is None:
+            self.check_text_length(text, what)
         check_utf8(text, what)
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer: give prompt_token_ids")
-        return self.tokenizer.encode(text, **kwargs)
+        return self.tokenizer.encode(text, **kwargs)[-truncate if truncate else 0:]
 
     def check_text_length(self, text: str, what: str = "prompt") -> None:
         """Refuse, without tokenizing, a prompt text that has more tokens than ``max_model_len``

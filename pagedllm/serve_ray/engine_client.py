@@ -298,7 +298,7 @@ class RayEngineClient:
             raise ValueError("LoRA adapters are not served by Ray Serve replicas (pagedllm serve --replicas)")
         if self.draining:
             raise EngineDrainingError("the server is shutting down and takes no new requests")
-        text, token_ids = self._input_processor.tokenize(prompt)
+        text, token_ids = self._input_processor.tokenize(prompt, self._input_processor.truncation(params))
         engine_prompt = {"prompt_token_ids": token_ids, "prompt": text}
         keys = tuple(prefix_block_hashes(token_ids, self.model_info.block_size, cache_salt))
 

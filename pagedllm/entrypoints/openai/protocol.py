@@ -72,6 +72,7 @@ class _SamplingFields(OpenAIBaseModel):
     allowed_token_ids: Optional[list[Int]] = None
     bad_words: Optional[list[str]] = None
     prompt_logprobs: Optional[Int] = None
+    truncate_prompt_tokens: Optional[Int] = None  # keep the prompt's last k tokens (-1: max_model_len)
     cache_salt: Optional[str] = None
     response_format: Optional[dict[str, Any]] = None
     structured_outputs: Optional[dict[str, Any]] = None
@@ -100,6 +101,7 @@ class _SamplingFields(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             structured_outputs=self.structured_outputs_params(), **optional)
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
@@ -188,7 +190,7 @@ class ChatMessage(OpenAIBaseModel):
     """One chat message. As OpenAI's API: the roles below only, and ``content`` required except
     for an assistant message (which may carry only a name or tool calls)."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # utils.CHAT_ROLES (LLM.chat's)
     content: Union[str, list[TextContentPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None

@@ -30,8 +30,10 @@ class OpenAIServingChat(OpenAIServing):
     def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False,
                tools: Optional[list[dict]] = None, chat_template: Optional[str] = None,
-               chat_template_kwargs: Optional[dict[str, Any]] = None) -> tuple[str, list[int]]:
-        """The conversation as template text and its token ids; ``tools`` go to templates that
+               chat_template_kwargs: Optional[dict[str, Any]] = None,
+               truncate: Optional[int] = None) -> tuple[str, list[int]]:
+        """The conversation as template text and its token ids (given ``truncate``, the last
+        ``truncate``); ``tools`` go to templates that
         take them (Qwen2.5's lists them in its system prompt; others ignore them);
         ``chat_template_kwargs`` are the template's own variables. Blocks for as long as the
         template and the tokenizer take: handlers call it in a worker thread.
@@ -72,7 +74,7 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:  # noqa: BLE001 - jinja raises anything; it is the input's fault
             raise OpenAIError(400, f"the chat template could not render the messages: {exc}",
                               param="messages") from exc
-        return text, self.encode_text(text, "messages", add_special_tokens=False)
+        return text, self.encode_text(text, "messages", truncate=truncate, add_special_tokens=False)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         """Raises: OpenAIError (400 bad field or prompt, 404 model, 429, 503, 504)."""
@@ -83,10 +85,6 @@ class OpenAIServingChat(OpenAIServing):
             raise sampling_params_error(exc) from exc
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
-        text, token_ids = await asyncio.to_thread(self.render, request.messages, request.add_generation_prompt,
-                                                  request.continue_final_message,
-                                                  request.tools if mode != "none" else None, request.chat_template,
-                                                  request.chat_template_kwargs)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -97,6 +95,10 @@ class OpenAIServingChat(OpenAIServing):
             if error.param == "logprobs":  # chat's top_logprobs is SamplingParams.logprobs
                 error = OpenAIError(400, "top_" + str(exc), param="top_logprobs")
             raise error from exc
+        text, token_ids = await asyncio.to_thread(self.render, request.messages, request.add_generation_prompt,
+                                                  request.continue_final_message,
+                                                  request.tools if mode != "none" else None, request.chat_template,
+                                                  request.chat_template_kwargs, self.input_processor.truncation(params))
         schema = constraint_schema(request.tools, mode, named, request.parallel_tool_calls)
         if schema is not None:
             if params.structured_outputs is not None:

@@ -236,8 +236,10 @@ class OpenAIServing:
                                    f"for: its requests may use priority >= {floor}", param="priority")
         return requested
 
-    async def tokenize_prompts(self, prompts: Sequence[PromptType]) -> list[PromptType]:
-        """Text prompts as ``{"prompt", "prompt_token_ids"}``, tokenized in a worker thread:
+    async def tokenize_prompts(self, prompts: Sequence[PromptType],
+                               truncate: Optional[int] = None) -> list[PromptType]:
+        """Text prompts as ``{"prompt", "prompt_token_ids"}`` (the last ``truncate`` ids, given
+        ``InputProcessor.truncation``), tokenized in a worker thread:
         neither the event loop (every other request) nor the engine thread (every running
         sequence) waits for a long prompt's tokenizer. Token id prompts pass as they are.
 
@@ -248,7 +250,7 @@ class OpenAIServing:
             return list(prompts)
 
         def tokenize_all() -> list[PromptType]:
-            return [{"prompt": prompt, "prompt_token_ids": self.input_processor.tokenize(prompt)[1]}
+            return [{"prompt": prompt, "prompt_token_ids": self.input_processor.tokenize(prompt, truncate)[1]}
                     if isinstance(prompt, str) else prompt for prompt in prompts]
         try:
             return await asyncio.to_thread(tokenize_all)
@@ -265,7 +267,7 @@ class OpenAIServing:
         cost = 0
         try:
             for prompt in prompts:
-                _, token_ids = self.input_processor.tokenize(prompt)
+                _, token_ids = self.input_processor.tokenize(prompt, self.input_processor.truncation(params))
                 cost += len(token_ids) + params.n * self.input_processor.resolve_max_tokens(
                     len(token_ids), params.max_tokens)
         except ValueError as exc:
@@ -313,10 +315,11 @@ class OpenAIServing:
         context = client_context(raw_request)
         lora_request = self.models.resolve(model, context.key)
         priority = self.resolve_priority(priority, context.key)
-        prompts = await self.tokenize_prompts(prompts)
+        truncate = self.input_processor.truncation(params)
+        prompts = await self.tokenize_prompts(prompts, truncate)
         try:  # every prompt before any reaches the engine: a bad one must not start the others
             for prompt in prompts:
-                self.input_processor.check_prompt(self.input_processor.tokenize(prompt)[1], params)
+                self.input_processor.check_prompt(self.input_processor.tokenize(prompt, truncate)[1], params)
         except ValueError as exc:
             raise OpenAIError(400, str(exc)) from exc
         limiter = self.policy.limiter
