@@ -216,10 +216,10 @@ def test_server_tokenizes_off_the_event_loop(server, monkeypatch):
     """A slow tokenization (a prompt near a large ``max_model_len``) holds only its own request."""
     tokenize = InputProcessor.tokenize
 
-    def slow_tokenize(self, prompt):
+    def slow_tokenize(self, prompt, truncate=None):
         if isinstance(prompt, str):
             time.sleep(2.0)
-        return tokenize(self, prompt)
+        return tokenize(self, prompt, truncate)
     monkeypatch.setattr(InputProcessor, "tokenize", slow_tokenize)
     slow = threading.Thread(target=httpx.post, args=(server.url + "/v1/completions",),
                             kwargs={"json": {"prompt": "hi", "max_tokens": 1}, "timeout": 30})
