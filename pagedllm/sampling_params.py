@@ -164,8 +164,9 @@ class SamplingParams:
       output follows a JSON schema, regex, choice or grammar; the request ends (``"stop"``)
       when the constraint is complete, or at ``max_tokens`` (``"length"``) with what was
       generated. ``guided_decoding`` is vLLM's older name for the same field.
-    - ``truncate_prompt_tokens``: keep only the last k tokens of the prompt (-1: the last
-      ``max_model_len``), as vLLM; the prompt text may then be longer than ``max_model_len``.
+    - ``truncate_prompt_tokens``: keep only the last k tokens of the prompt, as vLLM; -1: as
+      many as ``max_model_len`` leaves after ``max_tokens`` (after one token when it is None).
+      The prompt text may then be longer than ``max_model_len``.
 
     Logprobs are *raw*: log-softmax of the model's logits before penalties, bias, masks,
     temperature or top-k/top-p/min-p (vLLM's default ``logprobs_mode="raw_logprobs"``), so a

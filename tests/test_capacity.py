@@ -48,3 +48,19 @@ def test_long_documents_fit_paged_at_least_as_contiguous(capsys):
     assert main([str(CONFIGS / "tiny-llama.json"), "--kv-cache-bytes", str(budget), "--max-model-len", "8192",
                  "--kv-cache-dtype", "bfloat16", "--num-requests", "8"]) == 0
     assert f"| tiny-llama | bfloat16 | 512 | 8,192 | 3 | {row.paged_peak_requests} / " in capsys.readouterr().out
+
+
+def test_bad_budgets_and_configs_are_clear_errors(tmp_path, capsys):
+    """A fresh user's reports: 99999999TiB spun building its pool, 1KiB named an internal
+    option and exited 0 with an empty table, a config without a field was a KeyError."""
+    tiny = str(CONFIGS / "tiny-llama.json")
+    for budget, message in (("99999999TiB", "a replay holds at most"), ("1KiB", "the budget holds no KV block of")):
+        assert main([tiny, "--kv-cache-bytes", budget, "--max-model-len", "8192", "--kv-cache-dtype", "int8"]) == 1
+        out, err = capsys.readouterr()
+        assert message in out and "error: no configuration fits" in err
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    for path, message in ((empty, "the config has no 'num_attention_heads'"), (tmp_path / "missing.json", "No such file")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(path)])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err

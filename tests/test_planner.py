@@ -16,7 +16,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.request_log import RequestLog
 from pagedllm.entrypoints import cli
 from pagedllm.planner.cost_model import FEATURES, CostModel, ModelFacts, StepShape, fit_coefficients
-from pagedllm.planner.replay import PlanConfig, replay, summarize
+from pagedllm.planner.replay import MAX_REPLAY_BLOCKS, PlanConfig, replay, summarize
 from pagedllm.planner.sweep import (SweepSpace, build_configs, format_table, parse_size, recommend,
                                     run_sweep)
 from pagedllm.planner.trace import load_trace
@@ -65,6 +65,9 @@ def test_trace_forms_sorting_and_shared_prefixes():
     ('{"arrival": -1, "prompt_tokens": 4, "output_tokens": 1}', "line 2: arrival must be a number of seconds >= 0"),
     ('{"arrival": 0, "prompt_tokens": 4}', "line 2: output_tokens must be an integer >= 1, got None"),
     ('{"arrival": 0, "prompt_tokens": 0, "output_tokens": 1}', "line 2: prompt_tokens must be an integer >= 1, got 0"),
+    # a fresh user's report: 10**10 spun for minutes building the prompt's ids
+    ('{"arrival": 0, "prompt_tokens": 10000000000, "output_tokens": 1}',
+     "line 2: prompt_tokens must be <= 16777216 (longer than any model's context), got 10000000000"),
     ('{"arrival": 0, "prompt_tokens": 4, "prompt": "x", "output_tokens": 1}', "line 2: give exactly one of"),
     ('{"arrival": 0, "output_tokens": 1}', "line 2: give exactly one of"),
     ('{"arrival": 0, "prompt_tokens": 4, "output_tokens": 1, "prefix_id": "a", "prefix_tokens": 5}',
@@ -178,6 +181,10 @@ def test_a_configuration_the_engine_refuses_is_refused():
         replay([], PlanConfig(max_model_len=64, num_blocks=8, block_size=4), one_second_per_step())
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_num_seqs \(16\)"):
         PlanConfig(max_model_len=8, num_blocks=8, block_size=4, max_num_seqs=16, max_num_batched_tokens=8).check()
+    # a fresh user's report: --memory 99999999TiB spun building a pool of 10**15 blocks
+    with pytest.raises(ValueError, match=f"gives {MAX_REPLAY_BLOCKS + 1} blocks of 4 tokens; a replay holds at most "
+                                         f"{MAX_REPLAY_BLOCKS} blocks"):
+        PlanConfig(max_model_len=8, num_blocks=MAX_REPLAY_BLOCKS + 1, block_size=4).check()
 
 
 # ----------------------------------------------------------------------------- sweep

@@ -563,6 +563,13 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, reference)
     last = client.completions.create(model=MODEL, prompt=ids, max_tokens=1,
                                      extra_body={"truncate_prompt_tokens": MAX_MODEL_LEN - 1})
     assert last.usage.prompt_tokens == MAX_MODEL_LEN - 1
+    # -1: what max_model_len leaves after max_tokens (a fresh user's report: it kept
+    # max_model_len tokens, which no request can run)
+    fill = client.completions.create(model=MODEL, prompt=text, max_tokens=6, extra_body={"truncate_prompt_tokens": -1})
+    assert fill.usage.prompt_tokens == MAX_MODEL_LEN - 6 and fill.usage.completion_tokens == 6
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=3, extra_body={"truncate_prompt_tokens": MAX_MODEL_LEN})
+    assert info.value.body["message"].startswith(f"truncate_prompt_tokens={MAX_MODEL_LEN} kept {MAX_MODEL_LEN} prompt")
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=3,
                                           extra_body={"truncate_prompt_tokens": k})
     assert chat.usage.prompt_tokens == k

@@ -120,10 +120,14 @@ class InputProcessor:
         return self.model_info.grammar_compiler.compile(params.structured_outputs)
 
     def truncation(self, params: Optional[SamplingParams]) -> Optional[int]:
-        """How many trailing prompt tokens ``params.truncate_prompt_tokens`` keeps (-1 resolved
-        to ``max_model_len``), or None: all of them."""
+        """How many trailing prompt tokens ``params.truncate_prompt_tokens`` keeps, or None: all
+        of them. -1 keeps what ``max_model_len`` leaves after ``max_tokens`` (after one token
+        when ``max_tokens`` is None or 0), so that a prompt of any length runs."""
         keep = params.truncate_prompt_tokens if params is not None else None
-        return self.model_info.max_model_len if keep == -1 else keep
+        if keep != -1:
+            return keep
+        assert params is not None
+        return max(1, self.model_info.max_model_len - max(1, params.max_tokens or 1))
 
     def tokenize(self, prompt: PromptType, truncate: Optional[int] = None) -> tuple[Optional[str], list[int]]:
         """``(text or None, token ids)`` of a prompt: text, a list of token ids, or a dict with
@@ -190,9 +194,15 @@ class InputProcessor:
         Raises:
             ValueError: see ``check_prompt_token_ids``, ``resolve_max_tokens``, ``check_num_blocks``.
         """
-        self.check_prompt_token_ids(prompt_token_ids)
-        max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
-        self.check_num_blocks(len(prompt_token_ids), max_tokens, params.n)
+        try:
+            self.check_prompt_token_ids(prompt_token_ids)
+            max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+            self.check_num_blocks(len(prompt_token_ids), max_tokens, params.n)
+        except ValueError as exc:
+            if params.truncate_prompt_tokens is None:
+                raise
+            raise ValueError(f"truncate_prompt_tokens={params.truncate_prompt_tokens} kept {len(prompt_token_ids)} "
+                             f"prompt tokens: {exc}") from None
         return max_tokens
 
     def check_prompt_token_ids(self, prompt_token_ids: list[int]) -> None:

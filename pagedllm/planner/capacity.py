@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -101,11 +102,14 @@ def capacity_row(facts: ModelFacts, kv_cache_bytes: int, max_model_len: int, num
     ``worker/kv_cache_sizing.py`` sizes ``kv_cache_memory_bytes``), chunks of 2,048 tokens.
 
     Raises:
-        ValueError: the pool holds less than one ``max_model_len`` request (the engine's refusal).
+        ValueError: the pool holds no block, less than one ``max_model_len`` request (the
+            engine's refusal), or more blocks than a replay holds (``MAX_REPLAY_BLOCKS``).
     """
     # Every step weighs 1: the replay's block counts and batches do not depend on step times.
     unit_steps = CostModel({name: float(name == "intercept") for name in FEATURES}, facts)
     num_blocks = kv_cache_bytes // facts.bytes_per_block(block_size)
+    if num_blocks < 1:
+        raise ValueError(f"the budget holds no KV block of {facts.bytes_per_block(block_size)} bytes")
     config = PlanConfig(max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
                         enable_prefix_caching=False, kv_cache_bytes=kv_cache_bytes)
     trace = long_document_trace(num_requests, max_model_len, facts.vocab_size)
@@ -143,7 +147,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = []
     for path in args.configs:
         for kv_cache_dtype in args.kv_cache_dtype:
-            facts = facts_from_config(path, kv_cache_dtype)
+            try:
+                facts = facts_from_config(path, kv_cache_dtype)
+            except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
+                parser.error(f"{path}: {exc}")
+            except KeyError as exc:
+                parser.error(f"{path}: the config has no {exc}")
             for max_model_len in args.max_model_len:
                 if max_model_len > facts.max_position_embeddings:
                     print(f"skipped: {path.stem} max_model_len={max_model_len} is over its context "
@@ -157,6 +166,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{MIN_DOCUMENT_TOKENS} to max_model_len - {ANSWER_TOKENS} tokens, {ANSWER_TOKENS}-token answers, "
           "all arriving at once; chunks of 2,048 tokens, blocks of 16")
     print(format_capacity_table(rows))
+    if not rows:
+        print("error: no configuration fits (see the skipped lines above)", file=sys.stderr)
+        return 1
     return 0
 
 

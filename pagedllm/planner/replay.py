@@ -55,7 +55,8 @@ class PlanConfig:
         """The engine's own checks (``EngineArgs.verify`` and the pool-capacity check).
 
         Raises:
-            ValueError: what ``LLMEngine`` would raise for this configuration.
+            ValueError: what ``LLMEngine`` would raise for this configuration, or more than
+            ``MAX_REPLAY_BLOCKS`` blocks.
         """
         from pagedllm.config import EngineArgs
 
@@ -63,10 +64,17 @@ class PlanConfig:
                    max_num_batched_tokens=self.max_num_batched_tokens,
                    enable_prefix_caching=self.enable_prefix_caching,
                    num_gpu_blocks_override=self.num_blocks).verify()
+        if self.num_blocks > MAX_REPLAY_BLOCKS:
+            raise ValueError(f"the KV budget gives {self.num_blocks} blocks of {self.block_size} tokens; a replay "
+                             f"holds at most {MAX_REPLAY_BLOCKS} blocks (its free list is a Python object per "
+                             "block): give a smaller budget")
         capacity = self.num_blocks * self.block_size
         if self.max_model_len > capacity:
             raise ValueError(f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks of "
                              f"{self.block_size}), fewer than one request of max_model_len={self.max_model_len}")
+
+
+MAX_REPLAY_BLOCKS = 1 << 22  # 67M tokens in blocks of 16, far beyond any real budget; a block is a Python object
 
 
 @dataclass

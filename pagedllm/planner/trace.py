@@ -60,9 +60,14 @@ class TraceRequest:
         return len(self.prompt_token_ids) + self.output_tokens
 
 
-def _positive_int(value: Any, name: str) -> int:
+MAX_PROMPT_TOKENS = 1 << 24  # longer than any model's context; a prompt's ids are materialized
+
+
+def _positive_int(value: Any, name: str, maximum: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum} (longer than any model's context), got {value}")
     return value
 
 
@@ -102,7 +107,7 @@ def parse_request(obj: Any, line: int, vocab_size: int,
         raise ValueError("prefix_id/prefix_tokens go with prompt_tokens only: token ids and text "
                          "already say what they share")
     if given[0] == "prompt_tokens":
-        num_prompt = _positive_int(obj["prompt_tokens"], "prompt_tokens")
+        num_prompt = _positive_int(obj["prompt_tokens"], "prompt_tokens", MAX_PROMPT_TOKENS)
         if (prefix_id is None) != (prefix_tokens is None):
             raise ValueError("prefix_id and prefix_tokens go together")
         num_prefix = 0

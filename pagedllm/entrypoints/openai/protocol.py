@@ -72,7 +72,7 @@ class _SamplingFields(OpenAIBaseModel):
     allowed_token_ids: Optional[list[Int]] = None
     bad_words: Optional[list[str]] = None
     prompt_logprobs: Optional[Int] = None
-    truncate_prompt_tokens: Optional[Int] = None  # keep the prompt's last k tokens (-1: max_model_len)
+    truncate_prompt_tokens: Optional[Int] = None  # keep the prompt's last k tokens (SamplingParams')
     cache_salt: Optional[str] = None
     response_format: Optional[dict[str, Any]] = None
     structured_outputs: Optional[dict[str, Any]] = None
