@@ -565,6 +565,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, reference)
     assert last.usage.prompt_tokens == MAX_MODEL_LEN - 1
     # -1: what max_model_len leaves after max_tokens (a fresh user's report: it kept
     # max_model_len tokens, which no request can run)
+    # echo returns the text that ran, which its logprobs' offsets index (a fresh user's report)
+    echo = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=0,
+                                     extra_body={"truncate_prompt_tokens": 3})
+    assert echo.choices[0].text == tokenizer.decode(ids[-3:]) == "".join(echo.choices[0].logprobs.tokens)
     fill = client.completions.create(model=MODEL, prompt=text, max_tokens=6, extra_body={"truncate_prompt_tokens": -1})
     assert fill.usage.prompt_tokens == MAX_MODEL_LEN - 6 and fill.usage.completion_tokens == 6
     with pytest.raises(openai.BadRequestError) as info:

@@ -132,7 +132,8 @@ class InputProcessor:
     def tokenize(self, prompt: PromptType, truncate: Optional[int] = None) -> tuple[Optional[str], list[int]]:
         """``(text or None, token ids)`` of a prompt: text, a list of token ids, or a dict with
         ``prompt_token_ids`` (and optionally ``prompt``) or ``prompt``; given ``truncate``
-        (``truncation``), only the last ``truncate`` ids (the text stays whole).
+        (``truncation``), only the last ``truncate`` ids, and a text prompt cut so becomes
+        those ids' text.
 
         Raises:
             ValueError: another type, a dict with neither key, text too long for
@@ -150,7 +151,12 @@ class InputProcessor:
             return None, list(prompt)[-truncate if truncate else 0:]
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-        return prompt, self.encode(prompt, truncate=truncate)
+        token_ids = self.encode(prompt) if truncate is None else self._encode(prompt, "prompt", False)
+        if truncate and len(token_ids) > truncate:
+            # The text that runs is the kept tokens' (what echo returns, as its logprobs' offsets).
+            token_ids = token_ids[-truncate:]
+            prompt = self.tokenizer.decode(token_ids)
+        return prompt, token_ids
 
     def encode(self, text: str, what: str = "prompt", truncate: Optional[int] = None, **kwargs: Any) -> list[int]:
         """``text`` (a prompt) through the tokenizer (``kwargs`` go to ``encode``); given
@@ -161,12 +167,15 @@ class InputProcessor:
                 checked when truncating), text that is not valid UTF-8 (naming ``what``), or no
                 tokenizer.
         """
-        if truncate is None:
+        return self._encode(text, what, truncate is None, **kwargs)[-truncate if truncate else 0:]
+
+    def _encode(self, text: str, what: str, check_length: bool, **kwargs: Any) -> list[int]:
+        if check_length:
             self.check_text_length(text, what)
         check_utf8(text, what)
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer: give prompt_token_ids")
-        return self.tokenizer.encode(text, **kwargs)[-truncate if truncate else 0:]
+        return self.tokenizer.encode(text, **kwargs)
 
     def check_text_length(self, text: str, what: str = "prompt") -> None:
         """Refuse, without tokenizing, a prompt text that has more tokens than ``max_model_len``

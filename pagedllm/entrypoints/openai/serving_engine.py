@@ -250,7 +250,7 @@ class OpenAIServing:
             return list(prompts)
 
         def tokenize_all() -> list[PromptType]:
-            return [{"prompt": prompt, "prompt_token_ids": self.input_processor.tokenize(prompt, truncate)[1]}
+            return [dict(zip(("prompt", "prompt_token_ids"), self.input_processor.tokenize(prompt, truncate)))
                     if isinstance(prompt, str) else prompt for prompt in prompts]
         try:
             return await asyncio.to_thread(tokenize_all)
