@@ -114,7 +114,8 @@ class LLM:
              continue_final_message: bool = False,
              lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
              chat_template: Optional[str] = None,
-             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+             chat_template_kwargs: Optional[dict[str, Any]] = None,
+             tools: Optional[list[dict[str, Any]]] = None) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the model's chat template.
 
         Args:
@@ -124,6 +125,9 @@ class LLM:
             chat_template: a Jinja chat template to use instead of the model's (vLLM's
                 argument; a model without one then chats too).
             chat_template_kwargs: the template's own variables (e.g. Qwen3's ``enable_thinking``).
+            tools: OpenAI-style tool definitions for templates that take them (vLLM's argument;
+                Qwen2.5's lists them in its system prompt, others ignore them). The reply is
+                text: parsing tool calls out of it is the server's (``tool_choice``).
 
         Returns:
             One ``RequestOutput`` per conversation.
@@ -137,15 +141,16 @@ class LLM:
             raise ValueError("messages is empty: give at least one {'role', 'content'} message")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.encode_chat(conv, add_generation_prompt, continue_final_message,
-                                                         chat_template, chat_template_kwargs)}
+                                                         chat_template, chat_template_kwargs, tools)}
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def encode_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template: Optional[str] = None,
-                    chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+                    chat_template_kwargs: Optional[dict[str, Any]] = None,
+                    tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
         """Token ids of a conversation through the chat template (``chat_template``, else the
-        model's; special tokens added once).
+        model's; special tokens added once; ``tools`` as ``chat`` takes them).
 
         Raises:
             ValueError: no chat template, an empty conversation, a malformed message (not a dict,
@@ -167,7 +172,7 @@ class LLM:
             raise ValueError("this model has no chat template (a base model): use generate() with a prompt, "
                              "or pass chat_template")
         kwargs = check_chat_template_kwargs(tokenizer, chat_template_kwargs)
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template, tools=tools,
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **kwargs)
         return self.llm_engine.input_processor.encode(text, "messages", add_special_tokens=False)

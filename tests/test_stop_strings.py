@@ -195,6 +195,15 @@ def test_chat_template_and_its_kwargs(smollm2_llm_fp32):
                                                          chat_template_kwargs={"shout": True})).endswith("color.!")
     with pytest.raises(ValueError, match=r"\['add_generation_prompt', 'tokenize'\] are apply_chat_template's"):
         smollm2_llm_fp32.chat(conversation, chat_template_kwargs={"tokenize": True, "add_generation_prompt": False})
+    # tools reach the template (vLLM's LLM.chat argument; a fresh user's TypeError)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    listing = "{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}" + template
+    ids = smollm2_llm_fp32.encode_chat(conversation, chat_template=listing, tools=tools)
+    assert ids == tokenizer.encode(tokenizer.apply_chat_template(conversation, chat_template=listing, tools=tools,
+                                                                 tokenize=False), add_special_tokens=False)
+    assert tokenizer.decode(ids).startswith("[get_weather]<user>")
+    reply = smollm2_llm_fp32.chat(conversation, SamplingParams(max_tokens=2), use_tqdm=False, tools=tools)
+    assert list(reply[0].prompt_token_ids) == smollm2_llm_fp32.encode_chat(conversation, tools=tools)
 
 
 @pytest.mark.parametrize("messages, message", [
