@@ -56,7 +56,7 @@ class PlanConfig:
 
         Raises:
             ValueError: what ``LLMEngine`` would raise for this configuration, or more than
-            ``MAX_REPLAY_BLOCKS`` blocks.
+                ``MAX_REPLAY_BLOCKS`` blocks.
         """
         from pagedllm.config import EngineArgs
 
