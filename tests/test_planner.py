@@ -77,6 +77,8 @@ def test_trace_forms_sorting_and_shared_prefixes():
     ('{"arrival": 0, "prompt_token_ids": [1, 999], "output_tokens": 1}',
      "line 2: prompt token id 999 is outside the vocabulary [0, 256)"),
     ('{"arrival": 0, "prompt": "hi", "output_tokens": 1}', "line 2: a text prompt needs the model's tokenizer"),
+    ('{"arrival": 0, "prompt": 100, "output_tokens": 1}',
+     "line 2: prompt must be a non-empty string (a count is prompt_tokens, token ids are prompt_token_ids), got 100"),
     ('{"arrival": 0, "prompt_tokens": 4, "output_tokens": 1, "max_tokens": 3}', "line 2: unknown field(s) 'max_tokens'"),
     ('{"arrival": 0, "prompt_tokens": 4, "output_tokens": 1, "id": "a"}', "line 2: id 'a' is already used on line 1"),
 ])

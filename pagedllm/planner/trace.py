@@ -129,7 +129,8 @@ def parse_request(obj: Any, line: int, vocab_size: int,
     else:
         text = obj["prompt"]
         if not isinstance(text, str) or not text:
-            raise ValueError(f"prompt must be a non-empty string, got {text!r}")
+            raise ValueError(f"prompt must be a non-empty string (a count is prompt_tokens, token ids are "
+                             f"prompt_token_ids), got {text!r}")
         if encode is None:
             raise ValueError("a text prompt needs the model's tokenizer (give --model, or prompt_tokens)")
         token_ids = list(encode(text))
