@@ -243,7 +243,8 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=-1)
             if self.truncate_prompt_tokens == 0:
-                raise ValueError("truncate_prompt_tokens must be >= 1 or -1 (the last max_model_len tokens), got 0")
+                raise ValueError("truncate_prompt_tokens must be >= 1 or -1 (what max_model_len leaves after max_tokens), "
+                                 "got 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
