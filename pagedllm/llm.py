@@ -13,7 +13,7 @@ from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-from pagedllm.utils import CHAT_ROLES, check_chat_template_kwargs
+from pagedllm.utils import check_chat_template_kwargs, template_message
 
 
 class LLM:
@@ -120,7 +120,9 @@ class LLM:
 
         Args:
             messages: one conversation (a list of ``{"role", "content"}``) or a list of them.
-                A message without ``content`` renders as empty text, as the server does.
+                ``content`` is text or a list of ``{"type": "text", "text"}`` parts (joined by
+                newlines); only an assistant message may leave it out (then it renders as empty
+                text), as the server takes messages.
             lora_request: as in ``generate``: one adapter for all, or one per conversation.
             chat_template: a Jinja chat template to use instead of the model's (vLLM's
                 argument; a model without one then chats too).
@@ -130,19 +132,20 @@ class LLM:
                 text: parsing tool calls out of it is the server's (``tool_choice``).
 
         Returns:
-            One ``RequestOutput`` per conversation.
+            One ``RequestOutput`` per conversation, its ``prompt`` the rendered template text.
 
         Raises:
-            ValueError: no conversation, an empty one, a message that is not a dict with a
-                ``role`` among ``utils.CHAT_ROLES``, or a ``chat_template_kwargs`` key that is one of
-                ``apply_chat_template``'s parameters.
+            ValueError: no conversation, an empty one, a malformed message (``encode_chat``), or
+                a ``chat_template_kwargs`` key that is one of ``apply_chat_template``'s parameters.
         """
         if not messages:
             raise ValueError("messages is empty: give at least one {'role', 'content'} message")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.encode_chat(conv, add_generation_prompt, continue_final_message,
-                                                         chat_template, chat_template_kwargs, tools)}
-                   for conv in conversations]
+        prompts = []
+        for conversation in conversations:
+            text, ids = self._render_chat(conversation, add_generation_prompt, continue_final_message,
+                                          chat_template, chat_template_kwargs, tools)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def encode_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
@@ -154,19 +157,21 @@ class LLM:
 
         Raises:
             ValueError: no chat template, an empty conversation, a malformed message (not a dict,
-                or a role outside ``CHAT_ROLES``), a
-                reserved ``chat_template_kwargs`` key, or text too long for ``max_model_len``
-                (refused before it is tokenized).
+                a role outside ``CHAT_ROLES``, ``content`` missing from a message other than the
+                assistant's, or neither text nor a list of text parts), a reserved
+                ``chat_template_kwargs`` key, or text too long for ``max_model_len`` (refused
+                before it is tokenized).
         """
+        return self._render_chat(conversation, add_generation_prompt, continue_final_message, chat_template,
+                                 chat_template_kwargs, tools)[1]
+
+    def _render_chat(self, conversation: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                     chat_template: Optional[str], chat_template_kwargs: Optional[dict[str, Any]],
+                     tools: Optional[list[dict[str, Any]]]) -> tuple[str, list[int]]:
+        """``encode_chat``'s text and token ids."""
         if not conversation:
             raise ValueError("a conversation is empty: give at least one {'role', 'content'} message")
-        for index, message in enumerate(conversation):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise ValueError(f"message {index} must be a dict with a string 'role', got {message!r}")
-            if message["role"] not in CHAT_ROLES:
-                raise ValueError(f"message {index} has role {message['role']!r}; the roles are {list(CHAT_ROLES)} "
-                                 "(as the server takes them)")
-        conversation = [{**m, "content": m.get("content") or ""} for m in conversation]
+        conversation = [template_message(index, message) for index, message in enumerate(conversation)]
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise ValueError("this model has no chat template (a base model): use generate() with a prompt, "
@@ -175,7 +180,7 @@ class LLM:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template, tools=tools,
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **kwargs)
-        return self.llm_engine.input_processor.encode(text, "messages", add_special_tokens=False)
+        return text, self.llm_engine.input_processor.encode(text, "messages", add_special_tokens=False)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
              use_tqdm: bool, lora_list: list[Optional[LoRARequest]]) -> list[RequestOutput]:

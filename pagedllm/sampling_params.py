@@ -151,6 +151,9 @@ class SamplingParams:
     - ``logprobs``: per generated token, its logprob and the ``logprobs`` most likely
       alternatives (0 = only the sampled token's); at most ``MAX_LOGPROBS``.
     - ``prompt_logprobs``: the same for every prompt token but the first.
+    - ``detokenize``: False leaves the output text empty (``""``) and the logprobs'
+      ``decoded_token`` None: token ids only, as vLLM; stop strings then need text and are
+      refused.
     - ``skip_special_tokens``: leave special tokens out of the text.
     - ``spaces_between_special_tokens``: passed to the tokenizer's decoding; Hugging Face fast
       tokenizers (the only kind pagedllm loads) decode the same either way, as in vLLM.
@@ -193,6 +196,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -256,8 +260,12 @@ class SamplingParams:
                 _check_int(name, value, minimum=0)
                 if value > MAX_LOGPROBS:
                     raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
-        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+        for name in ("detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
+        if self.stop and not self.detokenize:
+            raise ValueError(f"stop strings need the output text: stop={self.stop!r} with detokenize=False "
+                             "(use stop_token_ids, or detokenize=True)")
         self.logit_bias = self._verify_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _check_token_list("allowed_token_ids", self.allowed_token_ids)

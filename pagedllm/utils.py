@@ -44,6 +44,34 @@ def check_port_free(host: str, port: int) -> None:
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's message roles, as the server takes them
 
 
+def template_message(index: int, message: Any) -> dict[str, Any]:
+    """Chat message ``index`` of ``LLM.chat`` as a chat template takes it, checked as the server
+    checks its messages (``protocol.ChatMessage``): a role among ``CHAT_ROLES``; ``content`` text
+    or a list of ``{"type": "text", "text"}`` parts (joined by newlines, as vLLM joins them),
+    required except in an assistant message (which may carry only tool calls; then "").
+
+    Raises:
+        ValueError: naming the message and what is wrong with it.
+    """
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"message {index} must be a dict with a string 'role', got {message!r}")
+    role, content = message["role"], message.get("content")
+    if role not in CHAT_ROLES:
+        raise ValueError(f"message {index} has role {role!r}; the roles are {list(CHAT_ROLES)} "
+                         "(as the server takes them)")
+    if content is None and role != "assistant":
+        raise ValueError(f"message {index}: a {role!r} message needs 'content'")
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                   for part in content):
+            raise ValueError(f"message {index}: content parts must be {{'type': 'text', 'text': str}} "
+                             f"(this engine reads text only), got {content!r}")
+        content = "\n".join(part["text"] for part in content)
+    elif content is not None and not isinstance(content, str):
+        raise ValueError(f"message {index}: content must be a string or a list of text parts, got {content!r}")
+    return {**message, "content": content or ""}
+
+
 def check_chat_template_kwargs(tokenizer: Any, kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
     """The chat template's own variables (vLLM's ``chat_template_kwargs``, e.g. Qwen3's
     ``enable_thinking``) as keyword arguments for ``tokenizer.apply_chat_template``.

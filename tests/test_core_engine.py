@@ -308,6 +308,15 @@ def test_max_tokens_none_runs_to_max_model_len():
     engine.add_request("r", {"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=None, **GREEDY))
     out = run_to_completion(engine)["r"].outputs[0]
     assert len(out.token_ids) == 14 and out.finish_reason == "length"
+    # min_tokens is checked against that resolved max_tokens too (a fresh user's report: the
+    # server ran min_tokens=2000 without max_tokens to "length")
+    with pytest.raises(ValueError, match="min_tokens=15 is more than the 14 tokens that max_model_len=24 "
+                                         "leaves after the 10-token prompt"):
+        engine.add_request("r2", {"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=None, min_tokens=15))
+    engine.add_request("r3", {"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=None, min_tokens=14,
+                                                                           **GREEDY))
+    assert len(run_to_completion(engine)["r3"].outputs[0].token_ids) == 14
+    engine.kv_cache_manager.block_pool.check_invariants()
 
 
 def test_request_tracks_num_computed_tokens_across_preemption():

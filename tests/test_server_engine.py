@@ -152,6 +152,10 @@ def test_b11_max_tokens_null_means_rest_of_context(tiny_server):
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "length"
     assert response.json()["usage"]["completion_tokens"] == 128 - 5  # make_tiny_engine: max_model_len 128
+    response = httpx.post(tiny_server.url + "/v1/completions", timeout=60,
+                          json={"prompt": [1, 2, 3, 4, 5], "max_tokens": None, "min_tokens": 200})
+    assert_openai_error(response, 400, "BadRequestError", "min_tokens=200 is more than the 123 tokens that "
+                        "max_model_len=128 leaves after the 5-token prompt")
 
 
 def assert_openai_error(response: httpx.Response, status: int, type: str, message: str,

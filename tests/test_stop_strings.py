@@ -150,6 +150,28 @@ def test_b28_batching_does_not_change_greedy_output(smollm2_llm_fp32):
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
 
 
+def test_detokenize_false_gives_the_same_tokens_without_text(engine):
+    """``detokenize=False`` (vLLM's field; a fresh user's TypeError): the same token ids and
+    logprobs, no text and no ``decoded_token``; stop strings, which need the text, are refused."""
+    prompt = "The quick brown fox"
+    params = dict(max_tokens=5, logprobs=2, prompt_logprobs=1, **GREEDY)
+    engine.add_request("text", prompt, SamplingParams(**params))
+    engine.add_request("ids", prompt, SamplingParams(detokenize=False, **params))
+    finals = run_to_completion(engine)
+    text, ids = finals["text"], finals["ids"]
+    assert text.outputs[0].text and ids.outputs[0].text == ""
+    assert ids.outputs[0].token_ids == text.outputs[0].token_ids
+    for with_text, without in zip(text.outputs[0].logprobs + text.prompt_logprobs[1:],
+                                  ids.outputs[0].logprobs + ids.prompt_logprobs[1:]):
+        assert {t: v.logprob for t, v in with_text.items()} == {t: v.logprob for t, v in without.items()}
+        assert all(v.decoded_token for v in with_text.values())
+        assert all(v.decoded_token is None for v in without.values())
+    with pytest.raises(ValueError, match=r"stop strings need the output text: stop=\['fox'\] with detokenize=False"):
+        SamplingParams(stop="fox", detokenize=False)
+    with pytest.raises(ValueError, match="detokenize must be True or False, got .no."):
+        SamplingParams(detokenize="no")
+
+
 def test_bad_words_are_never_generated(engine):
     prompt = "The capital of France is"
     reference = generate(engine, prompt, SamplingParams(max_tokens=4, **GREEDY)).outputs[0]
@@ -219,9 +241,34 @@ def test_chat_rejects_malformed_conversations(smollm2_llm_fp32, messages, messag
         smollm2_llm_fp32.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
 
 
-def test_chat_message_without_content_renders_as_empty_text(smollm2_llm_fp32):
-    bare = smollm2_llm_fp32.encode_chat([{"role": "user"}])
-    assert bare == smollm2_llm_fp32.encode_chat([{"role": "user", "content": ""}])
+def test_chat_messages_are_checked_as_the_server_checks_them(smollm2_llm_fp32):
+    """Only an assistant message may leave out content (it renders as empty text); text parts
+    join by newlines. A fresh user's report: LLM.chat took a user message without content that
+    the server refuses with a 400."""
+    llm = smollm2_llm_fp32
+    for message in ({"role": "user"}, {"role": "tool", "content": None}):
+        with pytest.raises(ValueError, match=f"message 1: a '{message['role']}' message needs 'content'"):
+            llm.chat([{"role": "system", "content": "Be brief."}, message], use_tqdm=False)
+    with pytest.raises(ValueError, match="message 0: content parts must be"):
+        llm.encode_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ValueError, match="message 0: content must be a string or a list of text parts, got 5"):
+        llm.encode_chat([{"role": "user", "content": 5}])
+    user = {"role": "user", "content": "hi"}
+    assert llm.encode_chat([user, {"role": "assistant"}], add_generation_prompt=False) == \
+        llm.encode_chat([user, {"role": "assistant", "content": ""}], add_generation_prompt=False)
+    parts = [{"type": "text", "text": "Name"}, {"type": "text", "text": "a color."}]
+    assert llm.encode_chat([{"role": "user", "content": parts}]) == \
+        llm.encode_chat([{"role": "user", "content": "Name\na color."}])
+
+
+def test_chat_output_carries_the_rendered_prompt(smollm2_llm_fp32):
+    """``RequestOutput.prompt`` of ``LLM.chat`` is the template's text, as vLLM fills it (a fresh
+    user's report: it was None); its tokens are the prompt's."""
+    conversation = [{"role": "user", "content": "Name a color."}]
+    tokenizer = smollm2_llm_fp32.get_tokenizer()
+    output = smollm2_llm_fp32.chat(conversation, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert output.prompt == tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert output.prompt_token_ids == tokenizer.encode(output.prompt, add_special_tokens=False)
 
 
 def test_llm_chat_and_the_server_take_the_same_roles():

@@ -201,11 +201,17 @@ class InputProcessor:
         before adding any.
 
         Raises:
-            ValueError: see ``check_prompt_token_ids``, ``resolve_max_tokens``, ``check_num_blocks``.
+            ValueError: see ``check_prompt_token_ids``, ``resolve_max_tokens``, ``check_num_blocks``;
+                or ``min_tokens`` above the resolved ``max_tokens`` (with ``max_tokens=None``,
+                what ``max_model_len`` leaves after the prompt).
         """
         try:
             self.check_prompt_token_ids(prompt_token_ids)
             max_tokens = self.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+            if params.min_tokens > max_tokens:  # max_tokens=None: what max_model_len leaves
+                raise ValueError(f"min_tokens={params.min_tokens} is more than the {max_tokens} tokens that "
+                                 f"max_model_len={self.model_info.max_model_len} leaves after the "
+                                 f"{len(prompt_token_ids)}-token prompt")
             self.check_num_blocks(len(prompt_token_ids), max_tokens, params.n)
         except ValueError as exc:
             if params.truncate_prompt_tokens is None:

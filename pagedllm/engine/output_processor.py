@@ -44,11 +44,15 @@ class OutputProcessor:
         state = self._states.get(request.request_id)
         if state is None:
             detokenizer = None
-            if self.tokenizer is not None:
+            if self._detokenizes(request):
                 detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                      request.sampling_params)
             state = self._states[request.request_id] = _SequenceState(detokenizer)
         return state
+
+    def _detokenizes(self, request: Request) -> bool:
+        """Whether the request gets text: a tokenizer, and ``SamplingParams.detokenize``."""
+        return self.tokenizer is not None and request.sampling_params.detokenize
 
     def fork(self, request: Request) -> None:
         """Start the state of a sequence forked from another: its outputs so far are the
@@ -56,7 +60,7 @@ class OutputProcessor:
         assert request.request_id not in self._states, request
         first_output = len(request.output_token_ids)
         detokenizer = None
-        if self.tokenizer is not None:
+        if self._detokenizes(request):
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.all_token_ids, request.sampling_params)
             detokenizer.num_output_tokens = first_output  # stop strings count after min_tokens
         self._states[request.request_id] = _SequenceState(detokenizer, num_sent_tokens=first_output,
@@ -109,7 +113,8 @@ class OutputProcessor:
             if delta and num_tokens == state.num_sent_tokens and not newly_finished:
                 continue
             if params.logprobs is not None:
-                state.logprobs.extend(self._to_dicts(child.logprobs[state.first_output + len(state.logprobs):]))
+                state.logprobs.extend(self._to_dicts(child.logprobs[state.first_output + len(state.logprobs):],
+                                                     params.detokenize))
             start = state.num_sent_tokens if delta else state.first_output
             text = ""
             if state.detokenizer is not None:
@@ -146,18 +151,19 @@ class OutputProcessor:
         if delta and state.sent_prompt_logprobs:
             return None
         if state.prompt_logprobs is None:
-            state.prompt_logprobs = [None] + self._to_dicts(first.prompt_logprobs[1:])
+            state.prompt_logprobs = [None] + self._to_dicts(first.prompt_logprobs[1:],
+                                                            first.sampling_params.detokenize)
         state.sent_prompt_logprobs = True
         return list(state.prompt_logprobs)
 
-    def _to_dicts(self, records: Sequence[TokenLogprobs]) -> list[dict[int, Logprob]]:
+    def _to_dicts(self, records: Sequence[TokenLogprobs], detokenize: bool) -> list[dict[int, Logprob]]:
         """``{token_id: Logprob}`` per record: the position's own token first, then the top-k
         (a token among both keeps one entry: exactly k alternatives, plus the own token when it
-        is not among them, as in vLLM)."""
+        is not among them, as in vLLM). ``decoded_token`` is None when not ``detokenize``."""
         dicts = []
         for record in records:
             texts: list[Optional[str]] = [None] * len(record.token_ids)
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and detokenize:
                 tokens = self.tokenizer.convert_ids_to_tokens(record.token_ids)
                 texts = [self.tokenizer.convert_tokens_to_string([t]) for t in tokens]
             ranks = record.ranks or [None] * len(record.token_ids)
