@@ -3,7 +3,8 @@
 
 Each line is an object with:
 
-- ``arrival``: seconds (>= 0) at which the request arrives; the file need not be sorted.
+- ``arrival``: seconds (0 to ``MAX_ARRIVAL_S``) at which the request arrives; the file need
+  not be sorted.
 - the prompt, exactly one of ``prompt_tokens`` (a count), ``prompt_token_ids`` (a list) or
   ``prompt`` (text, tokenized with the model's tokenizer);
 - ``output_tokens``: tokens the request generates (>= 1; it runs until then, EOS ignored);
@@ -60,6 +61,9 @@ class TraceRequest:
         return len(self.prompt_token_ids) + self.output_tokens
 
 
+# Ten years: a replay adds millisecond steps to its clock, which a float keeps to ~1e-7 s here
+# (an arrival of 1e300 s would stop it).
+MAX_ARRIVAL_S = 10 * 365 * 86400
 MAX_PROMPT_TOKENS = 1 << 24  # longer than any model's context; a prompt's ids are materialized
 
 
@@ -96,8 +100,8 @@ def parse_request(obj: Any, line: int, vocab_size: int,
     if unknown:
         raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))} (known: {', '.join(sorted(_KNOWN_KEYS))})")
     arrival = obj.get("arrival")
-    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < float("inf"):
-        raise ValueError(f"arrival must be a number of seconds >= 0, got {arrival!r}")
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival <= MAX_ARRIVAL_S:
+        raise ValueError(f"arrival must be a number of seconds in [0, {MAX_ARRIVAL_S}] (ten years), got {arrival!r}")
     output_tokens = _positive_int(obj.get("output_tokens"), "output_tokens")
     given = [key for key in _PROMPT_KEYS if key in obj]
     if len(given) != 1:
