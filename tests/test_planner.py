@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import re
 import sys
 
 import pytest
@@ -62,10 +63,10 @@ def test_trace_forms_sorting_and_shared_prefixes():
 @pytest.mark.parametrize("line, message", [
     ('{"arrival": 0, "prompt_tokens": 4', "line 2: not valid JSON"),
     ('[1, 2]', "line 2: a request must be a JSON object"),
-    ('{"arrival": -1, "prompt_tokens": 4, "output_tokens": 1}', r"line 2: arrival must be a number of seconds in \[0, "),
+    ('{"arrival": -1, "prompt_tokens": 4, "output_tokens": 1}', "line 2: arrival must be a number of seconds in [0, "),
     # a fresh user's 1e300 s printed a 300-digit span; 1e9 s is past the ten-year limit
     ('{"arrival": 1e9, "prompt_tokens": 4, "output_tokens": 1}',
-     r"line 2: arrival must be a number of seconds in \[0, 315360000\] \(ten years\), got 1000000000.0"),
+     "line 2: arrival must be a number of seconds in [0, 315360000] (ten years), got 1000000000.0"),
     ('{"arrival": 0, "prompt_tokens": 4}', "line 2: output_tokens must be an integer >= 1, got None"),
     ('{"arrival": 0, "prompt_tokens": 0, "output_tokens": 1}', "line 2: prompt_tokens must be an integer >= 1, got 0"),
     # a fresh user's report: 10**10 spun for minutes building the prompt's ids
@@ -87,8 +88,7 @@ def test_trace_forms_sorting_and_shared_prefixes():
 ])
 def test_a_bad_line_is_a_value_error_naming_its_line(line, message):
     good = '{"arrival": 0, "prompt_tokens": 4, "output_tokens": 1, "id": "a"}'
-    with pytest.raises(ValueError, match="trace " + message.replace("(", r"\(").replace(")", r"\)")
-                       .replace("[", r"\[")):
+    with pytest.raises(ValueError, match="trace " + re.escape(message)):
         load_trace([good, line], TINY_VOCAB)
 
 
