@@ -80,9 +80,11 @@ ENVIRONMENT_VARIABLES: tuple[EnvironmentVariable, ...] = (
         "the highest one this CPU executes. A variant this CPU cannot run is an error, not a fallback."),
     EnvironmentVariable(
         "PAGEDLLM_PACK_WEIGHTS", bool, None,
-        "`0`: keep linear weights as loaded (no oneDNN or bf16-tile packing). `1`: pack float32 "
-        "weights on Intel CPUs too. Not set: pack bfloat16 where oneDNN runs it, float32 on CPUs that "
-        "are not Intel's (where MKL's GEMM takes a generic path)."),
+        "`0`: keep linear weights as loaded (no tiles, no oneDNN packing: fp32 then runs torch's GEMM, "
+        "whose rows depend on the batch). Not set: bf16 and fp32 weights go to pagedllm's tiles where the "
+        "C++ ops load (bf16 to oneDNN on CPUs with AMX, see `PAGEDLLM_BATCH_INVARIANT`); without the C++ "
+        "ops, bf16 is packed for oneDNN where oneDNN runs it, fp32 on CPUs that are not Intel's (where "
+        "MKL's GEMM takes a generic path). `1`: that fp32 packing on Intel CPUs too."),
     EnvironmentVariable(
         "PAGEDLLM_BATCH_INVARIANT", bool, False,
         "`1`: every row is computed the same whatever else is in the batch, so a seeded request is "
@@ -93,7 +95,8 @@ ENVIRONMENT_VARIABLES: tuple[EnvironmentVariable, ...] = (
         "AVX512_BF16 it also keeps bf16 prompt rows over a bf16 KV cache in the exact kernel rather than "
         "the one of bf16 dot products (2-5x faster; invariant under preemption already, not across "
         "requests that share cached output tokens). "
-        "Elsewhere the default already is invariant (see [Sampling](sampling.md))."),
+        "Elsewhere the default already is invariant (bf16 and fp32 weights in pagedllm's tiles; see "
+        "[Sampling](sampling.md))."),
     EnvironmentVariable(
         "PAGEDLLM_TP_TIMEOUT_S", float, 120.0,
         "Seconds a tensor-parallel collective inside a step waits for the other ranks before the "

@@ -1,5 +1,5 @@
-"""``Linear``: the plain ``torch.mm`` layout, the oneDNN-packed one and the bf16 tiles of
-``bf16_linear`` compute the same values."""
+"""``Linear``: the plain ``torch.mm`` layout, the oneDNN-packed one and the bf16 and fp32 tiles
+of ``bf16_linear`` and ``fp32_linear`` compute the same values."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pagedllm.huge_pages import move_weights_to_huge_pages
-from pagedllm.layers.linear import Linear, bf16_linear, block_bf16, packing_available, unblock_bf16
+from pagedllm.layers.linear import (Linear, bf16_linear, block_bf16, block_fp32, fp32_linear, packing_available,
+                                    unblock_bf16, unblock_fp32)
 from pagedllm.layers.ops import native_ops
 from pagedllm.layers.quantization import weight_bytes
 
@@ -41,11 +42,12 @@ def reference(x: torch.Tensor, linear: Linear) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_packed_linear_equals_plain_mm(bias, rows, monkeypatch):
     """fp32 oneDNN-packed against MKL's plain ``torch.mm``: equal to summation order. Packing is
-    forced on, so that it is tested on Intel CPUs too."""
+    forced on, so that it is tested on Intel CPUs too; 150 output features are no whole number
+    of the fp32 tiles' 32, which would take the layer otherwise."""
     monkeypatch.setenv("PAGEDLLM_PACK_WEIGHTS", "1")
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch has no oneDNN here")
-    linear = make_linear(torch.float32, bias)
+    linear = make_linear(torch.float32, bias, out_features=150)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
     expected, weight, size = linear(x), linear.weight.clone(), weight_bytes(linear)
     assert linear.pack() and linear.weight_t is None and linear.packed.is_mkldnn
@@ -77,6 +79,65 @@ def test_bf16_tiles_equal_the_reference(bias, rows, shape):
         assert ((y.double() - expected).abs() <= bound).all()
     assert torch.equal(linear(x), native_ops().bf16_linear(x, linear.blocked, linear.bias))
     torch.testing.assert_close(linear(x), plain)  # oneDNN's / MKL's bf16 product, to rounding
+
+
+@needs_native
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(96, 160), (1536, 64), (30, 32)])
+def test_fp32_tiles_rows_do_not_depend_on_the_batch(bias, shape):
+    """An fp32 layer packs into ``fp32_linear``'s tiles (weights kept exactly); every row's
+    result is bitwise the same alone, in batches of every register-tile size (1-13) and across
+    the 120-row blocks (121, 300), with 1 thread or all: what makes fp32 seeded sampling the
+    same batched and after preemption (case B18). Within fp32 summation error of fp64."""
+    in_features, out_features = shape
+    linear = make_linear(torch.float32, bias, in_features=in_features, out_features=out_features)
+    weight, size = linear.weight.clone(), weight_bytes(linear)
+    assert linear.pack() and linear.weight_t is None and linear.packed is None
+    assert linear.blocked.shape == (out_features // 32, in_features, 32)
+    assert torch.equal(linear.weight, weight) and weight_bytes(linear) == size
+    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([linear(x[r:r + 1]) for r in range(len(x))])
+    for rows in [1, 2, 5, 12, 13, 121, 300]:
+        assert torch.equal(linear(x[:rows]), alone[:rows])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(linear(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+    expected = reference(x, linear)
+    bound = 1e-5 * (x.double().abs() @ weight.double().abs().t()) + 1e-6
+    assert ((alone.double() - expected).abs() <= bound).all()
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 4, 13])
+def test_fp32_linear_sums_the_products_in_input_order_with_one_fma_each(rows):
+    """``fp32_linear``'s documented order, emulated: a product of two fp32 values is exact in
+    fp64, so ``acc + x * w`` in fp64 rounded to fp32 is one FMA (but where the fp64 sum itself
+    rounds onto an fp32 tie, too rare to meet with these seeds); inputs in order from 0, then
+    the bias. The same bits on every ISA build (this test runs under each); the reversed order
+    rounds elsewhere."""
+    g = torch.Generator().manual_seed(rows)
+    k, n = 200, 64
+    x, w, bias = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    acc = torch.zeros(rows, n, dtype=torch.float32)
+    for i in range(k):
+        acc = (acc.double() + x[:, i:i + 1].double() * w[:, i].double()).float()
+    expected = acc + bias
+    assert torch.equal(native_ops().fp32_linear(x, block_fp32(w), bias), expected)
+    assert not torch.equal(native_ops().fp32_linear(x.flip(1).contiguous(), block_fp32(w.flip(1)), bias), expected)
+
+
+def test_block_fp32_layout():
+    """``blocked[t, i, c] = weight[32 t + c, i]``, and ``unblock_fp32`` inverts it; the torch
+    twin of the op (native ops off) multiplies by the unblocked weight."""
+    weight = torch.arange(64 * 5, dtype=torch.float32).view(64, 5)
+    blocked = block_fp32(weight)
+    assert blocked.shape == (2, 5, 32) and blocked[1, 3, 7] == weight[32 + 7, 3]
+    assert torch.equal(unblock_fp32(blocked), weight)
+    x = torch.randn(3, 5)
+    torch.testing.assert_close(fp32_linear.forward_native(x, blocked, None), x @ weight.t())
 
 
 def test_block_bf16_layout():
@@ -150,7 +211,8 @@ def test_packing_can_be_turned_off(monkeypatch):
                                                 ("GenuineIntel", torch.bfloat16, True),
                                                 ("AuthenticAMD", torch.float32, True)])
 def test_packing_is_chosen_by_cpu_vendor_and_dtype(vendor, dtype, packs, monkeypatch):
-    """fp32 stays on MKL's torch.mm on Intel CPUs; elsewhere, and for bf16, weights are packed."""
+    """Without the C++ ops' tiles, fp32 stays on MKL's torch.mm on Intel CPUs; elsewhere, and
+    for bf16, weights are packed for oneDNN. With them, both dtypes take the tiles."""
     from pagedllm.layers import linear as linear_module
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch has no oneDNN here")
@@ -159,7 +221,9 @@ def test_packing_is_chosen_by_cpu_vendor_and_dtype(vendor, dtype, packs, monkeyp
     monkeypatch.delenv("PAGEDLLM_PACK_WEIGHTS", raising=False)
     monkeypatch.setattr(linear_module, "cpu_vendor", lambda: vendor)
     assert packing_available(dtype) is packs
-    assert make_linear(dtype, bias=False).pack() is packs
+    linear = make_linear(dtype, bias=False)
+    assert linear.pack() is (packs or native_ops() is not None)
+    assert (linear.blocked is not None) is (native_ops() is not None)
 
 
 @needs_native

@@ -4,12 +4,11 @@ even the last bit of a logprob.
 A preempted request's KV is recomputed by a prefill of its prompt and the tokens it had generated,
 which first ran as decode steps. The prefill attention kernel gives each row bitwise what the
 decode kernel gives (``csrc/prefill_attention.cpp``); where every other layer is row-wise exact
-too (unquantized bf16 through ``bf16_linear``, and ``w8a8`` / ``w4a8`` in either dtype: integer
-products with per-token scales), the recomputed KV and every later logit are bitwise those of
-the run without preemption, so seeded sampling draws the same tokens. fp32 unquantized (torch's
-GEMM sums in an order that depends on the batch's row count) and the weight-only int8 / int4
-kernels (a kernel for decode-size batches, dequantize-and-GEMM for a prefill) are close, not
-exact; docs/sampling.md says so. On CPUs with AMX that holds with ``PAGEDLLM_BATCH_INVARIANT=1``
+too (unquantized bf16 through ``bf16_linear``, fp32 through ``fp32_linear``, and ``w8a8`` /
+``w4a8`` in either dtype: integer products with per-token scales), the recomputed KV and every
+later logit are bitwise those of the run without preemption, so seeded sampling draws the same
+tokens. The weight-only int8 / int4 kernels (a kernel for decode-size batches,
+dequantize-and-GEMM for a prefill) are close, not exact; docs/sampling.md says so. On CPUs with AMX that holds with ``PAGEDLLM_BATCH_INVARIANT=1``
 (the default there multiplies bf16 weights with oneDNN's AMX kernels, whose rows depend on the
 row count). With AVX512_BF16 it holds by default too: bf16 prompt rows run a kernel of bf16 dot
 products, which is not the decode kernel's, so a recompute gives the rows of output tokens the
@@ -33,6 +32,7 @@ from tests.conftest import run_to_completion, tiny_config, tiny_state_dict
 
 # (compute dtype, quantization, kv_cache_dtype): the row-wise exact configurations.
 EXACT_CONFIGS = [("bfloat16", None, "auto"), ("bfloat16", None, "int8"),
+                 ("float32", None, "auto"), ("float32", None, "int8"), ("float32", None, "bfloat16"),
                  ("bfloat16", "w8a8", "int8"), ("bfloat16", "w8a8", "auto"), ("bfloat16", "w4a8", "int8"),
                  ("float32", "w8a8", "auto"), ("float32", "w8a8", "int8"), ("float32", "w4a8", "bfloat16")]
 
@@ -115,11 +115,13 @@ def _check_seeded_samples_survive_preemption(dtype: str, quantization, kv_cache_
     assert sampled(preempted) == alone
 
 
-def test_smollm2_bf16_greedy_and_seeded_outputs_survive_preemption(kernel, monkeypatch):
-    """Case B18 as a new user ran it (2026-12-07, Zen 4): the real SmolLM2 in bf16, default
-    settings, 8 prompts that share a prefix, each run alone and then all in a 16-block pool that
-    preempts them; before output tokens' rows were given the exact kernel on recompute, 1 of 8
-    greedy and 4 of 8 seeded outputs changed there."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_smollm2_greedy_and_seeded_outputs_survive_preemption(kernel, dtype, monkeypatch):
+    """Case B18 as new users ran it (2026-12-07, Zen 4): the real SmolLM2, default settings, 8
+    prompts that share a prefix, each run alone and then all in a 16-block pool that preempts
+    them. In bf16, before output tokens' rows were given the exact kernel on recompute, 1 of 8
+    greedy and 4 of 8 seeded outputs changed there; in fp32 (the default dtype on CPUs without
+    bf16 units), before fp32 weights went to ``fp32_linear``'s tiles, 3 of 8 seeded ones."""
     from pagedllm import LLM
 
     monkeypatch.delenv("PAGEDLLM_BATCH_INVARIANT", raising=False)
@@ -129,8 +131,8 @@ def test_smollm2_bf16_greedy_and_seeded_outputs_survive_preemption(kernel, monke
     prompts = [prefix + q for q in ["What is the tallest mountain?", "Why is the sky blue?", "Explain gravity.",
                                     "What is a prime number?", "Describe a cat.", "How do airplanes fly?",
                                     "What is Python?", "Name the planets."]]
-    roomy = LLM(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=1 << 28, enable_prefix_caching=False)
-    small = LLM(dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=16)
+    roomy = LLM(dtype=dtype, max_model_len=256, kv_cache_memory_bytes=1 << 28, enable_prefix_caching=False)
+    small = LLM(dtype=dtype, max_model_len=256, num_gpu_blocks_override=16)
     for params in (SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
                    SamplingParams(temperature=1.0, seed=1234, max_tokens=64, ignore_eos=True)):
         alone = [roomy.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids for prompt in prompts]

@@ -12,6 +12,7 @@
 //   float / bfloat16: [weight_t [in, out]] (+ bias)        -> mm / addmm
 //   packed (mkldnn):  [packed [out, in]] (+ bias)          -> mkldnn::_linear_pointwise
 //   blocked bf16:     [blocked [N/32, K/2, 32, 2]] (+ bias) -> bf16_linear
+//   blocked fp32:     [blocked [N/32, K, 32]] (+ bias)       -> fp32_linear
 //   int8:             [codes [N, K], scales] (+ bias)       -> int8_linear
 //   uint8 (int4):     [packed [N, K/2], scales, mins] (+ bias) -> int4_linear
 //   uint8 W8A8:       [blocked [N/16, K/4, 64], scales [N], smooth_inv [1, K]] (+ bias) -> w8a8_linear
@@ -57,6 +58,7 @@ at::Tensor linear(const at::Tensor& x, c10::ArrayRef<at::Tensor> params) {
     }
     default:
       if (first.dim() == 4) return bf16_linear(x, first, bias_at(1), /*portable=*/false);  // Linear.blocked
+      if (first.dim() == 3) return fp32_linear(x, first, bias_at(1));  // Linear.blocked, fp32
       if (first.is_mkldnn()) {  // Linear.packed: oneDNN's blocked layout (pagedllm/layers/linear.py)
         static const auto op = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("mkldnn::_linear_pointwise", "")

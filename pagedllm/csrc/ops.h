@@ -114,6 +114,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        const at::Tensor& mins, const std::optional<at::Tensor>& bias);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        bool portable, bool fp32_out = false);
+at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& smooth_inv, const std::optional<at::Tensor>& bias, bool portable);
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,

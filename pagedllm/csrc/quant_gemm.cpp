@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
@@ -429,6 +430,128 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight, const s
   return y;
 }
 
+// fp32 weights in tiles, for PAGEDLLM_BATCH_INVARIANT=1: y [M, N] = x [M, K] @ W.T + bias, all
+// fp32, W stored as [N / 32, K, 32] (tile t: channels 32t..32t+31, input i's 32 weights side
+// by side; one sequential stream per tile, as bf16_linear's tiles). Every output is
+// fma(x[r, K-1], W[c, K-1], ... fma(x[r, 0], W[c, 0], 0)) + bias[c], inputs in order, one
+// rounding per FMA, whatever the row count, the rows beside it, the threads or the ISA
+// (AVX-512 16 lanes, AVX2 8, std::fma otherwise): a row's result never depends on its batch,
+// which torch's fp32 GEMM (MKL, oneDNN) does not promise.
+constexpr int64_t kFp32Tile = 32;
+constexpr int64_t kFp32RowBlock = 120;  // rows whose x stays in L2 while the weights stream by
+
+#if defined(__AVX512F__)
+constexpr int kFp32MaxRows = 12;  // 24 accumulators
+
+template <int R>
+inline void fp32_rows(const float* x, int64_t k, const float* tile, float* y, int64_t n, int64_t n0,
+                      const float* bias) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    const __m512 w0 = _mm512_loadu_ps(tile + i * kFp32Tile), w1 = _mm512_loadu_ps(tile + i * kFp32Tile + 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * k + i]);
+      acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+    }
+  }
+  const __m512 b0 = bias != nullptr ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+  const __m512 b1 = bias != nullptr ? _mm512_loadu_ps(bias + n0 + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(y + r * n + n0, _mm512_add_ps(acc[r][0], b0));
+    _mm512_storeu_ps(y + r * n + n0 + 16, _mm512_add_ps(acc[r][1], b1));
+  }
+}
+
+inline void fp32_tile_rows(const float* x, int64_t rows, int64_t k, const float* tile, float* y, int64_t n,
+                           int64_t n0, const float* bias) {
+  int64_t r = 0;
+  for (; r + kFp32MaxRows <= rows; r += kFp32MaxRows) fp32_rows<kFp32MaxRows>(x + r * k, k, tile, y + r * n, n, n0, bias);
+  switch (rows - r) {
+#define CASE(R) case R: fp32_rows<R>(x + r * k, k, tile, y + r * n, n, n0, bias); break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11)
+#undef CASE
+    default: break;
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kFp32MaxRows = 3;  // 12 accumulators of the 16 registers
+
+template <int R>
+inline void fp32_rows(const float* x, int64_t k, const float* tile, float* y, int64_t n, int64_t n0,
+                      const float* bias) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    __m256 xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = _mm256_set1_ps(x[r * k + i]);
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) {
+      const __m256 w = _mm256_loadu_ps(tile + i * kFp32Tile + 8 * v);
+      for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(xb[r], w, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 4; ++v) {
+      const __m256 b = bias != nullptr ? _mm256_loadu_ps(bias + n0 + 8 * v) : _mm256_setzero_ps();
+      _mm256_storeu_ps(y + r * n + n0 + 8 * v, _mm256_add_ps(acc[r][v], b));
+    }
+  }
+}
+
+inline void fp32_tile_rows(const float* x, int64_t rows, int64_t k, const float* tile, float* y, int64_t n,
+                           int64_t n0, const float* bias) {
+  int64_t r = 0;
+  for (; r + kFp32MaxRows <= rows; r += kFp32MaxRows) fp32_rows<kFp32MaxRows>(x + r * k, k, tile, y + r * n, n, n0, bias);
+  if (rows - r == 2) fp32_rows<2>(x + r * k, k, tile, y + r * n, n, n0, bias);
+  if (rows - r == 1) fp32_rows<1>(x + r * k, k, tile, y + r * n, n, n0, bias);
+}
+#else
+inline void fp32_tile_rows(const float* x, int64_t rows, int64_t k, const float* tile, float* y, int64_t n,
+                           int64_t n0, const float* bias) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < kFp32Tile; ++c) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < k; ++i) sum = std::fma(x[r * k + i], tile[i * kFp32Tile + c], sum);
+      y[r * n + n0 + c] = sum + (bias != nullptr ? bias[n0 + c] : 0.f);
+    }
+  }
+}
+#endif
+
+at::Tensor fp32_linear(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(weight.dim() == 3 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                        weight.size(2) == kFp32Tile,
+                    "fp32_linear: weight must be a contiguous float32 [N / 32, K, 32] tensor, got ",
+                    weight.scalar_type(), " ", weight.sizes());
+  const int64_t tiles = weight.size(0), k = weight.size(1), n = tiles * kFp32Tile;
+  TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == k,
+                    "fp32_linear: x must be float32 [rows, ", k, "], got ", x_in.scalar_type(), " ", x_in.sizes());
+  TORCH_CHECK_VALUE(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                          bias->numel() == n),
+                    "fp32_linear: bias must be float32 [", n, "]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row0 = 0; row0 < m; row0 += kFp32RowBlock) {
+      const int64_t rows = std::min(kFp32RowBlock, m - row0);
+      for (int64_t t = begin; t < end; ++t) {
+        fp32_tile_rows(xp + row0 * k, rows, k, wp + t * kFp32Tile * k, yp + row0 * n, n, t * kFp32Tile, bp);
+      }
+    }
+  });
+  return y;
+}
+
 const float* optional_ptr(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
@@ -592,6 +715,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, Tensor? bias) -> Tensor", &pagedllm::int4_linear);
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias, bool portable=False, bool fp32_out=False) -> Tensor",
         &pagedllm::bf16_linear);
+  m.def("fp32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &pagedllm::fp32_linear);
   m.def("int8_dequantize(Tensor codes, Tensor scales) -> Tensor", &pagedllm::int8_dequantize);
   m.def("int4_dequantize(Tensor packed, Tensor scales, Tensor mins) -> Tensor", &pagedllm::int4_dequantize);
 }

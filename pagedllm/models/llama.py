@@ -393,7 +393,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linear_weights(self) -> int:
         """Pre-pack every unquantized ``Linear`` (``Linear.pack``: bf16 into ``bf16_linear``'s
-        tiles, else for oneDNN), the LM head included. Returns how many layers were packed.
+        tiles, fp32 into ``fp32_linear``'s, else for oneDNN), the LM head included. Returns how many layers were packed.
 
         A head tied to the embedding is untied first: the embedding keeps a plain copy of the
         table to look rows up in (SmolLM2: 28M more parameters, 57 MiB in bf16), because an
@@ -401,7 +401,7 @@ class LlamaForCausalLM(nn.Module):
         decode step (1 thread, AMD EPYC family 26, bf16, 1 row: 8.3 ms vs 1.5 ms packed;
         ``bench/linear_layout.py``).
         """
-        if not packing_available(self.dtype) and not (self.dtype == torch.bfloat16 and native_ops() is not None):
+        if not packing_available(self.dtype) and native_ops() is None:
             return 0
         head = self.lm_head
         linears = [m for layer in self.layers for m in layer.modules() if isinstance(m, Linear)]
