@@ -213,9 +213,9 @@ class Linear(nn.Module):
         ``packing_available`` says no for its dtype).
 
         The fp32 tiles keep every row's result independent of its batch, and on an AMD EPYC
-        Zen 4 (2 threads, SmolLM2-135M's shapes, 2026-12-07) took 0.53-0.91x oneDNN's time at 1
-        and 16 rows and 1.05-1.10x at 512 (the AVX2 build: 0.56-1.01x and 0.96-1.09x);
-        MKL's ``torch.mm`` 1.1-2.9x.
+        Zen 4 (2 threads, SmolLM2-1.7B's shapes, 2026-12-07) ran 1.0-1.7x oneDNN's speed and
+        1.2-3.8x MKL's ``torch.mm``'s from 1 to 2,048 rows (bench/README.md, "fp32 weights in
+        tiles").
 
         Args:
             fp32_out: the layer is called with ``out_dtype=torch.float32`` (the LM head): only
