@@ -1,9 +1,11 @@
 """Decode attention at long context against a plain read of the same bytes, in one process.
 
     .venv/bin/python bench/decode_attention.py [--contexts 4096 16384 32768] [--rounds 5]
+        [--block-sizes 16 64]
 
 One sequence (batch 1) of a Llama-3 head shape (``--heads 24 --kv-heads 8 --head-dim 128``, the
-3B's; the 8B's is 32 / 8 / 128) in a bf16 paged KV cache of 16-token blocks laid out in a
+3B's; the 8B's is 32 / 8 / 128) in a bf16 paged KV cache of ``block_size``-token blocks (16 unless
+``--block-sizes`` names others; several are alternated within each round) laid out in a
 shuffled order, as a long-running server's pool ends up. Two layers' caches alternate, so
 that from 16k tokens on (64 MiB per layer and tensor) every call reads its K/V from DRAM.
 Each round times ``paged_decode_attention`` (best of 3 calls per layer pair) and, as the
@@ -24,12 +26,10 @@ from pagedllm.huge_pages import huge_page_zeros
 from pagedllm.layers.ops import native_ops
 from pagedllm.platform import keep_freed_memory_mapped
 
-BLOCK_SIZE = 16
 
-
-def make_cache(num_blocks: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-    shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
-    cache = huge_page_zeros(num_blocks * BLOCK_SIZE * kv_heads * head_dim * 2).view(torch.bfloat16).view(shape)
+def make_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    cache = huge_page_zeros(num_blocks * block_size * kv_heads * head_dim * 2).view(torch.bfloat16).view(shape)
     cache.copy_(torch.randn(shape).bfloat16())
     return cache
 
@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16], help="tokens per KV block")
     args = parser.parse_args()
     ops = native_ops()
     if ops is None:
@@ -60,25 +61,29 @@ def main() -> None:
     print(f"{args.heads} query heads, {args.kv_heads} KV heads of {args.head_dim}, bf16, batch 1, "
           f"{torch.get_num_threads()} threads")
     for context in args.contexts:
-        num_blocks = -(-context // BLOCK_SIZE)
-        layers = [(make_cache(num_blocks, args.kv_heads, args.head_dim),
-                   make_cache(num_blocks, args.kv_heads, args.head_dim)) for _ in range(2)]
-        table = torch.randperm(num_blocks).view(1, num_blocks)
-        lens = torch.tensor([context])
         query = torch.randn(1, args.heads, args.head_dim).bfloat16()
         scale = args.head_dim ** -0.5
-        kernel, read = [], []
+        cases = []
+        for block_size in args.block_sizes:
+            num_blocks = -(-context // block_size)
+            layers = [(make_cache(num_blocks, block_size, args.kv_heads, args.head_dim),
+                       make_cache(num_blocks, block_size, args.kv_heads, args.head_dim)) for _ in range(2)]
+            cases.append((block_size, layers, torch.randperm(num_blocks).view(1, num_blocks)))
+        lens = torch.tensor([context])
+        kernel = {block_size: [] for block_size in args.block_sizes}
+        read = {block_size: [] for block_size in args.block_sizes}
         for _ in range(args.rounds):
-            kernel.append(best_per_layer(
-                lambda k, v: ops.paged_decode_attention(query, k, v, table, lens, scale, 0), layers))
-            read.append(best_per_layer(lambda k, v: (k.view(torch.float32).sum(), v.view(torch.float32).sum()),
-                                       layers))
-        nbytes = 2 * layers[0][0].nbytes
-        ms, read_ms = statistics.median(kernel), statistics.median(read)
-        print(f"{context:6} tokens: attention {ms * 1e3:6.2f} ms/layer ({nbytes / ms / 1e9:5.1f} GB/s), "
-              f"plain read {read_ms * 1e3:6.2f} ms ({nbytes / read_ms / 1e9:5.1f} GB/s): "
-              f"{read_ms / ms:.2f} of the read rate")
-
+            for block_size, layers, table in cases:
+                kernel[block_size].append(best_per_layer(
+                    lambda k, v: ops.paged_decode_attention(query, k, v, table, lens, scale, 0), layers))
+                read[block_size].append(best_per_layer(
+                    lambda k, v: (k.view(torch.float32).sum(), v.view(torch.float32).sum()), layers))
+        for block_size, layers, _ in cases:
+            nbytes = 2 * layers[0][0].nbytes
+            ms, read_ms = statistics.median(kernel[block_size]), statistics.median(read[block_size])
+            print(f"{context:6} tokens, block_size {block_size:3}: attention {ms * 1e3:6.2f} ms/layer "
+                  f"({nbytes / ms / 1e9:5.1f} GB/s), plain read {read_ms * 1e3:6.2f} ms "
+                  f"({nbytes / read_ms / 1e9:5.1f} GB/s): {read_ms / ms:.2f} of the read rate")
 
 if __name__ == "__main__":
     main()
