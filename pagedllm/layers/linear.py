@@ -213,8 +213,8 @@ class Linear(nn.Module):
         ``packing_available`` says no for its dtype).
 
         The fp32 tiles keep every row's result independent of its batch, and on an AMD EPYC
-        Zen 4 (2 threads, SmolLM2-1.7B's shapes, 2026-12-07) ran 1.0-1.7x oneDNN's speed and
-        1.2-3.8x MKL's ``torch.mm``'s from 1 to 2,048 rows (bench/README.md, "fp32 weights in
+        Zen 4 (2 threads, SmolLM2-1.7B's shapes, 2026-12-07) ran 1.01-1.7x oneDNN's speed from
+        16 to 2,048 rows, 0.88-1.26x at one, and 1.2-3.8x MKL's ``torch.mm``'s (bench/README.md, "fp32 weights in
         tiles").
 
         Args:
