@@ -61,7 +61,11 @@ def _run(model, dtype: str, kv_cache_dtype: str, prompts, params, num_blocks: in
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-@pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", EXACT_CONFIGS)
+@pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", EXACT_CONFIGS + [
+    # weight-only: exact under PAGEDLLM_BATCH_INVARIANT=1 only (prefill chunks then take the
+    # decode kernels rather than dequantize-and-GEMM)
+    ("float32", "int8", "auto"), ("float32", "int4", "auto"), ("bfloat16", "int8", "auto"),
+    ("bfloat16", "int4", "bfloat16")])
 def test_seeded_samples_and_their_logprobs_survive_preemption_bitwise(kernel, dtype, quantization, kv_cache_dtype,
                                                                       architecture, monkeypatch):
     """8 seeded requests (temperature 1) each run alone, then together in a pool that holds

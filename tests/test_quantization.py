@@ -444,6 +444,24 @@ def test_w8a8_rows_do_not_depend_on_the_batch():
     assert all(torch.equal(layer(x[i:i + 1])[0], batch[i]) for i in (0, 7, 32))
 
 
+@pytest.mark.skipif(native_ops() is None, reason="the C++ ops are not built here")
+@pytest.mark.parametrize("kind", ["int8", "grouped_int8", "int4"])
+def test_weight_only_kernel_rows_do_not_depend_on_the_batch(kind, monkeypatch):
+    """The int8 / int4 kernels compute a row the same at every row count (1-4 rows take one
+    channel per tile, more take 4 x 4 tiles), with a bias too: its add was contracted with the
+    scale into an FMA in some tile shapes only (a fresh run of the preemption tests found it
+    with Qwen2's q/k/v biases). Under PAGEDLLM_BATCH_INVARIANT=1 prefill batches take the
+    kernels too, so the layer's rows are the same at every batch size."""
+    monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", "1")
+    weight, bias = _random_linear(out_features=102, in_features=128, seed=5)
+    layer = (Int4Linear.from_float(weight, bias) if kind == "int4"
+             else Int8Linear.from_float(weight, bias, grouped=kind == "grouped_int8"))
+    x = torch.randn(130, 128, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+    for rows in (2, 3, 4, 5, 16, KERNEL_MAX_ROWS, 130):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+
+
 def test_w8a8_smoothing_moves_an_outlier_into_the_weight():
     """With an outlier input channel, per-token int8 loses the small channels; smoothing by the
     calibrated range brings the error back near weight-only int8's (SmoothQuant, section 4)."""

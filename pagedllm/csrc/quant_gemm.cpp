@@ -105,16 +105,18 @@ inline void fma_tile(VecF (&acc)[kRowTile][kChannelTile], const float* x, int64_
   }
 }
 
-// y[r, n0 + j] = scale_j * sum(acc[r][j]) + bias for the tile's R rows and C channels.
+// y[r, n0 + j] = scale_j * sum(acc[r][j]) + bias for the tile's R rows and C channels, with a
+// scale and a bias as one std::fma: written as a multiply and an add, GCC contracted them into
+// an FMA in some (R, C) instantiations and not in others, so a row's result depended on how
+// many rows its call had (found by tests/test_preemption_invariance.py: int8 with biases).
 template <int R, int C>
 inline void store_tile(float* y, int64_t n, int64_t n0, const VecF (&acc)[kRowTile][kChannelTile],
                        const float* scales, const float* bias) {
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < C; ++j) {
-      float v = vsum(acc[r][j]);
-      if (scales != nullptr) v *= scales[n0 + j];
-      if (bias != nullptr) v += bias[n0 + j];
-      y[r * n + n0 + j] = v;
+      const float v = vsum(acc[r][j]);
+      const float b = bias != nullptr ? bias[n0 + j] : 0.f;
+      y[r * n + n0 + j] = scales != nullptr ? std::fma(v, scales[n0 + j], b) : v + b;
     }
   }
 }

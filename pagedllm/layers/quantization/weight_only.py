@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.quantization.base import (INT4_GROUP_SIZE, KERNEL_MAX_ROWS, Int4Weight, QuantMethod,
                                                check_whole_groups, quantize_int4, quantize_int8)
@@ -173,8 +174,11 @@ class Int4Linear(_QuantizedLinear):
 
 
 def _kernel_rows(x: torch.Tensor, in_features: int) -> bool:
-    """Whether ``x`` is a decode-sized batch that the quantized kernels handle."""
-    return x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS and in_features % INT4_GROUP_SIZE == 0
+    """Whether the quantized kernels take ``x``: a decode-sized batch, or any batch under
+    ``PAGEDLLM_BATCH_INVARIANT=1`` (the kernels compute each row alone, where a prefill's
+    dequantize-and-GEMM sums in an order that depends on the row count)."""
+    return (x.dim() == 2 and in_features % INT4_GROUP_SIZE == 0
+            and (x.shape[0] <= KERNEL_MAX_ROWS or envs.PAGEDLLM_BATCH_INVARIANT))
 
 
 
