@@ -432,7 +432,7 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& weight, const s
   return y;
 }
 
-// fp32 weights in tiles, for PAGEDLLM_BATCH_INVARIANT=1: y [M, N] = x [M, K] @ W.T + bias, all
+// fp32 weights in tiles (Linear.pack, fp32 compute): y [M, N] = x [M, K] @ W.T + bias, all
 // fp32, W stored as [N / 32, K, 32] (tile t: channels 32t..32t+31, input i's 32 weights side
 // by side; one sequential stream per tile, as bf16_linear's tiles). Every output is
 // fma(x[r, K-1], W[c, K-1], ... fma(x[r, 0], W[c, 0], 0)) + bias[c], inputs in order, one
