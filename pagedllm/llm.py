@@ -141,6 +141,9 @@ class LLM:
         if not messages:
             raise ValueError("messages is empty: give at least one {'role', 'content'} message")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if not all(isinstance(c, (list, tuple)) for c in conversations):
+            raise ValueError("messages must be one conversation (a list of {'role', 'content'} dicts) or a list "
+                             f"of them, got {messages!r:.200}")
         prompts = []
         for conversation in conversations:
             text, ids = self._render_chat(conversation, add_generation_prompt, continue_final_message,

@@ -48,7 +48,8 @@ def template_message(index: int, message: Any) -> dict[str, Any]:
     """Chat message ``index`` of ``LLM.chat`` as a chat template takes it, checked as the server
     checks its messages (``protocol.ChatMessage``): a role among ``CHAT_ROLES``; ``content`` text
     or a list of ``{"type": "text", "text"}`` parts (joined by newlines, as vLLM joins them),
-    required except in an assistant message (which may carry only tool calls; then "").
+    required except in an assistant message (which may carry only tool calls; then ""); ``name``
+    and ``tool_call_id`` strings and ``tool_calls`` a list where given.
 
     Raises:
         ValueError: naming the message and what is wrong with it.
@@ -69,6 +70,9 @@ def template_message(index: int, message: Any) -> dict[str, Any]:
         content = "\n".join(part["text"] for part in content)
     elif content is not None and not isinstance(content, str):
         raise ValueError(f"message {index}: content must be a string or a list of text parts, got {content!r}")
+    for key, kind, name in (("name", str, "a string"), ("tool_call_id", str, "a string"), ("tool_calls", list, "a list")):
+        if message.get(key) is not None and not isinstance(message[key], kind):
+            raise ValueError(f"message {index}: {key} must be {name}, got {message[key]!r}")
     return {**message, "content": content or ""}
 
 

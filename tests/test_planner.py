@@ -323,6 +323,20 @@ def test_cli_plan_end_to_end(tmp_path, capsys):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_series_fall_to_zero_across_idle_gaps():
+    """A fresh user's plot showed 1 request running through a 60 s gap between two requests,
+    where the table (PlanMetrics) counts idle time as zero: the series drop to 0 at the end of
+    a step that a gap (or the end) follows, and steps back to back stay joined."""
+    from pagedllm.planner.replay import StepRecord
+    from pagedllm.planner.sweep import step_series
+
+    def step(start, duration, running):
+        return StepRecord(start, duration, running, 0, 1, running, 0, 0, 0, 0)
+
+    steps = [step(0.0, 0.5, 1), step(0.5, 0.5, 2), step(60.0, 1.0, 1)]
+    assert step_series(steps, lambda s: s.num_running) == ([0.0, 0.5, 1.0, 60.0, 61.0], [1, 2, 0, 1, 0])
+
+
 def test_cli_plan_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(TWO_REQUESTS) + "\n")

@@ -156,6 +156,12 @@ def test_b11_max_tokens_null_means_rest_of_context(tiny_server):
                           json={"prompt": [1, 2, 3, 4, 5], "max_tokens": None, "min_tokens": 200})
     assert_openai_error(response, 400, "BadRequestError", "min_tokens=200 is more than the 123 tokens that "
                         "max_model_len=128 leaves after the 5-token prompt")
+    # chat names the limit as the client sent it (a fresh user's report: max_tokens, never sent)
+    response = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10,
+                                "min_tokens": 600})
+    assert_openai_error(response, 400, "BadRequestError", "min_tokens must be <= max_completion_tokens=10, got 600",
+                        param="min_tokens")
 
 
 def assert_openai_error(response: httpx.Response, status: int, type: str, message: str,

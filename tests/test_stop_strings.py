@@ -232,7 +232,7 @@ def test_chat_template_and_its_kwargs(smollm2_llm_fp32):
     ([], "messages is empty"),
     ([[]], "a conversation is empty"),
     ([{"content": "hi"}], "message 0 must be a dict with a string 'role'"),
-    (["hello"], "message 0 must be a dict"),
+    (["hello"], r"messages must be one conversation \(a list of"),
     # as the server's 400 (a fresh user's report: LLM.chat rendered it as "<|im_start|>bot")
     ([{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}], "message 1 has role 'bot'; the roles are"),
 ])
@@ -253,6 +253,13 @@ def test_chat_messages_are_checked_as_the_server_checks_them(smollm2_llm_fp32):
         llm.encode_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     with pytest.raises(ValueError, match="message 0: content must be a string or a list of text parts, got 5"):
         llm.encode_chat([{"role": "user", "content": 5}])
+    with pytest.raises(ValueError, match="message 0: name must be a string, got 5"):
+        llm.encode_chat([{"role": "user", "content": "x", "name": 5}])
+    with pytest.raises(ValueError, match="message 1: tool_calls must be a list, got 'oops'"):
+        llm.encode_chat([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": "oops"}])
+    for messages in (["hello"], [[{"role": "user", "content": "Hi"}], {"role": "user", "content": "Hi"}]):
+        with pytest.raises(ValueError, match=r"messages must be one conversation \(a list of"):
+            llm.chat(messages, use_tqdm=False)
     user = {"role": "user", "content": "hi"}
     assert llm.encode_chat([user, {"role": "assistant"}], add_generation_prompt=False) == \
         llm.encode_chat([user, {"role": "assistant", "content": ""}], add_generation_prompt=False)

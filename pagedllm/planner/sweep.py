@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from pagedllm.planner.cost_model import CostModel
-from pagedllm.planner.replay import PlanConfig, PlanMetrics, ReplayResult, replay, summarize
+from pagedllm.planner.replay import PlanConfig, PlanMetrics, ReplayResult, StepRecord, replay, summarize
 from pagedllm.planner.trace import TraceRequest
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -218,6 +218,22 @@ def rejection_lines(row: SweepRow, limit: int = 5) -> list[str]:
     return lines
 
 
+def step_series(steps: Sequence[StepRecord], value: Callable[[StepRecord], float]) -> tuple[list[float], list[float]]:
+    """Points of a step plot of ``value(step)`` over a replay (seconds, values): each step from its
+    start, and 0 from the end of a step that an idle gap follows (as ``PlanMetrics`` counts idle
+    time), so that a plot does not carry the last step's value across the gap."""
+    times: list[float] = []
+    values: list[float] = []
+    for step, following in zip(steps, list(steps[1:]) + [None]):
+        times.append(step.start)
+        values.append(value(step))
+        end = step.start + step.duration
+        if following is None or following.start > end:
+            times.append(end)
+            values.append(0)
+    return times, values
+
+
 def write_plots(row: SweepRow, directory: Path) -> list[Path]:
     """PNG plots of one replay: concurrency over time, KV usage over time, latency CDFs.
 
@@ -231,14 +247,16 @@ def write_plots(row: SweepRow, directory: Path) -> list[Path]:
 
     directory.mkdir(parents=True, exist_ok=True)
     steps, config = row.result.steps, row.config
-    times = [s.start for s in steps]
+
+    def series(value: Callable[[StepRecord], float]) -> tuple[list[float], list[float]]:
+        return step_series(steps, value)
     title = (f"max_model_len={config.max_model_len}, {config.num_blocks} blocks x {config.block_size}, "
              f"max_num_seqs={config.max_num_seqs}, prefix caching {'on' if config.enable_prefix_caching else 'off'}")
     paths = []
 
     figure, axes = plt.subplots(figsize=(9, 4))
-    axes.step(times, [s.num_running for s in steps], where="post", label="running")
-    axes.step(times, [s.num_waiting for s in steps], where="post", label="waiting")
+    axes.step(*series(lambda s: s.num_running), where="post", label="running")
+    axes.step(*series(lambda s: s.num_waiting), where="post", label="waiting")
     axes.set(xlabel="time (s)", ylabel="requests", title=f"Concurrency\n{title}")
     axes.legend()
     paths.append(directory / "concurrency.png")
@@ -246,10 +264,10 @@ def write_plots(row: SweepRow, directory: Path) -> list[Path]:
     plt.close(figure)
 
     figure, axes = plt.subplots(figsize=(9, 4))
-    axes.step(times, [100 * s.num_used_blocks / config.num_blocks for s in steps], where="post",
+    axes.step(*series(lambda s: 100 * s.num_used_blocks / config.num_blocks), where="post",
               label="blocks in use (paged)")
     capacity = config.num_blocks * config.block_size
-    axes.step(times, [100 * min(1.0, s.reserved_max_model_len / capacity) for s in steps], where="post",
+    axes.step(*series(lambda s: 100 * min(1.0, s.reserved_max_model_len / capacity)), where="post",
               label="contiguous reservation of max_model_len (capped at 100 %)", alpha=0.7)
     axes.set(xlabel="time (s)", ylabel="% of the KV cache", ylim=(0, 105), title=f"KV cache usage\n{title}")
     axes.legend()

@@ -94,6 +94,9 @@ class OpenAIServingChat(OpenAIServing):
             error = sampling_params_error(exc)
             if error.param == "logprobs":  # chat's top_logprobs is SamplingParams.logprobs
                 error = OpenAIError(400, "top_" + str(exc), param="top_logprobs")
+            elif request.max_completion_tokens is not None and "max_tokens" in str(exc):  # the name it was sent as
+                message = str(exc).replace("max_tokens", "max_completion_tokens")
+                error = OpenAIError(400, message, param=sampling_params_error(ValueError(message)).param)
             raise error from exc
         text, token_ids = await asyncio.to_thread(self.render, request.messages, request.add_generation_prompt,
                                                   request.continue_final_message,
