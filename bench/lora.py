@@ -27,7 +27,7 @@ import torch
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantization import Int4Linear, Int8Linear
 from pagedllm.lora.layers import (FUSED_MODULES, ExpandSlice, LoRAContext, LoRALinear, PackedLoRA, add_lora,
-                                  tile_for_bf16)
+                                  tile_lora)
 from pagedllm.platform import keep_freed_memory_mapped
 
 HIDDEN, Q, KV, INTERMEDIATE, NUM_LAYERS = 576, 576, 192, 1536, 30
@@ -44,7 +44,7 @@ def random_packed(generator: torch.Generator, in_features: int, out_sizes: list[
         out += size
     a_t = (torch.randn(in_features, rank * len(out_sizes), generator=generator) * 0.01).to(dtype)
     packed = PackedLoRA(a_t, slices)
-    return tile_for_bf16(packed)  # as pack_adapter does: bf16 products on the tiles
+    return tile_lora(packed)  # as pack_adapter does: products on the tiles
 
 
 def build_layers(base_kind: str, dtype: torch.dtype, num_adapters: int, rank: int):

@@ -15,7 +15,7 @@ from pagedllm import LoRARequest, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.layers import ops
-from pagedllm.lora.layers import LoRAContext, LoRALinear, PackedLoRA, ExpandSlice, add_lora, tile_for_bf16
+from pagedllm.lora.layers import LoRAContext, LoRALinear, PackedLoRA, ExpandSlice, add_lora, tile_lora
 from pagedllm.models.loader import build_model
 from tests.conftest import hf_tiny_model, run_to_completion, save_tiny_checkpoint, tiny_config, tiny_state_dict
 from tests.lora_adapters import adapters_and_references, make_adapter
@@ -142,13 +142,14 @@ def _per_row_reference(y: torch.Tensor, x: torch.Tensor, row_adapter: list, pack
     return out
 
 
-@pytest.mark.parametrize("dtype,tiles", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("dtype,tiles", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
+                                         (torch.bfloat16, True)])
 @pytest.mark.parametrize("base_kind", ["dense", "int8", "int4"])
 def test_grouped_kernel_equals_per_row_loop(dtype, tiles, base_kind):
     """Rows of three adapters and of none, as one range per adapter and interleaved (gathered),
-    over dense, int8 and int4 base layers: the base output plus the per-row LoRA terms. bf16
-    with ``tile_for_bf16`` (what ``pack_adapter`` does with the C++ ops): each row is also
-    bitwise what it gives alone, and a packing with an odd rank stays on torch's matmul."""
+    over dense, int8 and int4 base layers: the base output plus the per-row LoRA terms. With
+    ``tile_lora`` (what ``pack_adapter`` does with the C++ ops) each row is also bitwise what it
+    gives alone; a bf16 packing with an odd rank stays on torch's matmul (fp32 tiles take it)."""
     from pagedllm.layers.linear import Linear
     from pagedllm.layers.quantization import Int4Linear, Int8Linear
 
@@ -165,10 +166,11 @@ def test_grouped_kernel_equals_per_row_loop(dtype, tiles, base_kind):
               _packed(generator, in_features, [(4, 0, 96)], dtype)]
     if tiles:
         if ops.native_ops() is None:
-            pytest.skip("the bf16_linear tiles need the C++ ops")
-        packed = [tile_for_bf16(lora) for lora in packed]
+            pytest.skip("the tiles need the C++ ops")
+        packed = [tile_lora(lora) for lora in packed]
         assert all(lora.a_blocked is not None for lora in packed)
-        assert tile_for_bf16(_packed(generator, in_features, [(3, 0, 96)], dtype)).a_blocked is None
+        odd = tile_lora(_packed(generator, in_features, [(3, 0, 96)], dtype))
+        assert (odd.a_blocked is None) is (dtype == torch.bfloat16)
     x = torch.randn(num_rows, in_features, generator=generator).to(dtype)
     context = LoRAContext()
     layer = LoRALinear(base, 0, "self_attn.qkv_proj", context)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.custom_op import native_ops
-from pagedllm.layers.linear import BF16_TILE, bf16_linear, block_bf16
+from pagedllm.layers.linear import BF16_TILE, bf16_linear, block_bf16, block_fp32, fp32_linear
 from pagedllm.lora.models import LoRAModel, module_shapes
 
 # Fused projection (path inside a decoder layer) -> the HF modules it concatenates, in order.
@@ -50,7 +50,8 @@ class ExpandSlice:
         b_t: ``B^T``, ``[rank, out_end - out_start]`` in the compute dtype.
         scaling: ``lora_alpha / r`` (or ``/ sqrt(r)``).
         b_blocked: ``B`` zero-padded to a multiple of 32 rows, in ``bf16_linear``'s tiles
-            (``block_bf16``), or None (then ``b_t`` through ``torch.mm``).
+            (``block_bf16``) or ``fp32_linear``'s (``block_fp32``), or None (then ``b_t``
+            through ``torch.mm``).
     """
 
     rank_start: int
@@ -69,9 +70,10 @@ class PackedLoRA:
     Attributes:
         a_t: the concatenated ``A^T`` of the targeted slices, ``[in_features, r_total]``.
         slices: the targeted slices (a module the adapter does not target has none).
-        a_blocked: ``A`` zero-padded to a multiple of 32 rows in ``bf16_linear``'s tiles, or
-            None: set, with every slice's ``b_blocked``, for bf16 with the C++ ops built where
-            ``in_features`` and every rank are even (the tiles take input pairs).
+        a_blocked: ``A`` zero-padded to a multiple of 32 rows in ``bf16_linear``'s or
+            ``fp32_linear``'s tiles, or None: set, with every slice's ``b_blocked``, with the C++
+            ops built, for fp32, and for bf16 where ``in_features`` and every rank are even
+            (the bf16 tiles take input pairs).
     """
 
     a_t: torch.Tensor
@@ -80,9 +82,16 @@ class PackedLoRA:
 
 
 def _padded_tiles(weight: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` bf16 (K even) zero-padded to N a multiple of 32, as ``block_bf16`` tiles."""
+    """``[N, K]`` bf16 (K even) or fp32 zero-padded to N a multiple of 32, as ``block_bf16`` or
+    ``block_fp32`` tiles."""
     rows = -(-weight.shape[0] // BF16_TILE) * BF16_TILE
-    return block_bf16(torch.cat([weight, weight.new_zeros(rows - weight.shape[0], weight.shape[1])]))
+    padded = torch.cat([weight, weight.new_zeros(rows - weight.shape[0], weight.shape[1])])
+    return block_bf16(padded) if weight.dtype == torch.bfloat16 else block_fp32(padded)
+
+
+def _tiled_product(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` for a weight in ``_padded_tiles`` (the padding's columns included)."""
+    return bf16_linear(x, blocked, None) if blocked.dim() == 4 else fp32_linear(x, blocked, None)
 
 
 def pack_adapter(lora_model: LoRAModel, config, dtype: torch.dtype) -> dict[tuple[int, str], PackedLoRA]:
@@ -102,16 +111,18 @@ def pack_adapter(lora_model: LoRAModel, config, dtype: torch.dtype) -> dict[tupl
                     rank += weights.rank
                 out += out_size
             if slices:
-                packed[(layer, path)] = tile_for_bf16(PackedLoRA(torch.cat(a_parts).t().contiguous().to(dtype),
+                packed[(layer, path)] = tile_lora(PackedLoRA(torch.cat(a_parts).t().contiguous().to(dtype),
                                                                  slices))
     return packed
 
 
-def tile_for_bf16(lora: PackedLoRA) -> PackedLoRA:
+def tile_lora(lora: PackedLoRA) -> PackedLoRA:
     """Set ``lora``'s ``a_blocked`` and its slices' ``b_blocked`` (in place; returns it) where
-    they apply: bf16, the C++ ops built, ``in_features`` and every rank even."""
-    if (lora.a_t.dtype == torch.bfloat16 and native_ops() is not None and lora.a_t.shape[0] % 2 == 0
-            and all((part.rank_end - part.rank_start) % 2 == 0 for part in lora.slices)):
+    they apply: the C++ ops built, and fp32, or bf16 with ``in_features`` and every rank even.
+    The tiles compute each row alone, so a request's LoRA rows do not depend on its batch."""
+    pairs = lora.a_t.shape[0] % 2 == 0 and all((part.rank_end - part.rank_start) % 2 == 0 for part in lora.slices)
+    if native_ops() is not None and (lora.a_t.dtype == torch.float32
+                                     or lora.a_t.dtype == torch.bfloat16 and pairs):
         lora.a_blocked = _padded_tiles(lora.a_t.t())
         for part in lora.slices:
             part.b_blocked = _padded_tiles(part.b_t.t())
@@ -130,15 +141,15 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, groups: Sequence[tuple[PackedLoRA
     for packed, rows in groups:
         contiguous = isinstance(rows, slice)
         x_rows = x[rows] if contiguous else x.index_select(0, rows)
-        tiles = packed.a_blocked is not None and x.dtype == torch.bfloat16
+        tiles = packed.a_blocked is not None and x.dtype == packed.a_t.dtype
         if tiles:
-            shrunk = bf16_linear(x_rows.contiguous(), packed.a_blocked, None)[:, :packed.a_t.shape[1]]
+            shrunk = _tiled_product(x_rows.contiguous(), packed.a_blocked)[:, :packed.a_t.shape[1]]
         else:
             shrunk = torch.mm(x_rows, packed.a_t)
         for part in packed.slices:
             if tiles:
-                delta = bf16_linear(shrunk[:, part.rank_start:part.rank_end].contiguous(), part.b_blocked,
-                                    None)[:, :part.out_end - part.out_start].mul_(part.scaling)
+                delta = _tiled_product(shrunk[:, part.rank_start:part.rank_end].contiguous(),
+                                       part.b_blocked)[:, :part.out_end - part.out_start].mul_(part.scaling)
             else:
                 delta = torch.mm(shrunk[:, part.rank_start:part.rank_end], part.b_t).mul_(part.scaling)
             if contiguous:
