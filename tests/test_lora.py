@@ -201,10 +201,10 @@ def test_grouped_kernel_equals_per_row_loop(dtype, tiles, base_kind):
     assert add_lora(base_y.clone(), x, []).equal(base_y)
 
 
-@pytest.mark.parametrize("dtype,quantization", [(torch.bfloat16, None), (torch.float32, "int8"),
+@pytest.mark.parametrize("dtype,quantization", [(torch.bfloat16, None), (torch.float32, None), (torch.float32, "int8"),
                                                 (torch.float32, "int4")])
 def test_mixed_batch_equals_each_request_alone(tiny_adapters, dtype, quantization):
-    """bf16 and quantized base weights (no HF reference for those): the mixed batch of three
+    """fp32, bf16 and quantized base weights: the mixed batch of three
     adapters and the base gives each request what it gets alone in the engine, and the adapters
     change the output. (bf16 with int4 is left to the kernel test: its base model alone is not
     batch invariant, 1 prompt in 8 changed its greedy output between batched and alone.)"""
