@@ -155,7 +155,7 @@ def test_b11_max_tokens_null_means_rest_of_context(tiny_server):
     response = httpx.post(tiny_server.url + "/v1/completions", timeout=60,
                           json={"prompt": [1, 2, 3, 4, 5], "max_tokens": None, "min_tokens": 200})
     assert_openai_error(response, 400, "BadRequestError", "min_tokens=200 is more than the 123 tokens that "
-                        "max_model_len=128 leaves after the 5-token prompt")
+                        "max_model_len=128 leaves after the 5-token prompt", param="min_tokens")
     # chat names the limit as the client sent it (a fresh user's report: max_tokens, never sent)
     response = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60,
                           json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10,

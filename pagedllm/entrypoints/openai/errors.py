@@ -7,6 +7,7 @@ Every error the server answers is an ``OpenAIError``: ``{"error": {"message", "t
 from __future__ import annotations
 
 import json
+import re
 from http import HTTPStatus
 from typing import Any, Optional
 
@@ -14,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from pagedllm.engine.async_engine import (EngineDeadError, EngineDrainingError, QueueFullError,
                                           RequestFailedError, RequestTimeoutError)
+from pagedllm.sampling_params import SamplingParams
 
 
 # vLLM's error type names; other statuses get their phrase ("Payload Too Large" -> PayloadTooLargeError)
@@ -77,12 +79,19 @@ class _ASCIIJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
+def value_error(exc: ValueError) -> OpenAIError:
+    """An engine ``ValueError`` (its message names the field and the value) as a 400, ``param``
+    the request field its message starts with (``min_tokens=600 is more than ...``), if any."""
+    field = re.split(r"[ =]", str(exc), maxsplit=1)[0]
+    return OpenAIError(400, str(exc), param=field if field in SamplingParams.__dataclass_fields__ else None)
+
+
 def to_openai_error(exc: BaseException) -> OpenAIError:
     """Map an engine exception to its HTTP error (anything unexpected is a 500)."""
     if isinstance(exc, OpenAIError):
         return exc
-    if isinstance(exc, ValueError):  # the engine's messages name the field and the value
-        return OpenAIError(400, str(exc))
+    if isinstance(exc, ValueError):
+        return value_error(exc)
     if isinstance(exc, QueueFullError):
         return OpenAIError(429, str(exc), "RateLimitError", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDrainingError):  # another instance behind the load balancer can take it

@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.protocol import EngineClient, OutputStream
 from pagedllm.entrypoints.openai.api_keys import ANONYMOUS, Admission, APIKey, RateLimiter, RateLimitError
-from pagedllm.entrypoints.openai.errors import OpenAIError, to_openai_error
+from pagedllm.entrypoints.openai.errors import OpenAIError, to_openai_error, value_error
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -255,7 +255,7 @@ class OpenAIServing:
         try:
             return await asyncio.to_thread(tokenize_all)
         except ValueError as exc:
-            raise OpenAIError(400, str(exc)) from exc
+            raise value_error(exc) from exc
 
     def request_cost(self, prompts: Sequence[PromptType], params: SamplingParams) -> int:
         """Tokens a request reserves: over its prompts, ``prompt tokens + n * max_tokens``
@@ -271,7 +271,7 @@ class OpenAIServing:
                 cost += len(token_ids) + params.n * self.input_processor.resolve_max_tokens(
                     len(token_ids), params.max_tokens)
         except ValueError as exc:
-            raise OpenAIError(400, str(exc)) from exc
+            raise value_error(exc) from exc
         return cost
 
     def check_overload(self, priority: int) -> None:
@@ -321,7 +321,7 @@ class OpenAIServing:
             for prompt in prompts:
                 self.input_processor.check_prompt(self.input_processor.tokenize(prompt, truncate)[1], params)
         except ValueError as exc:
-            raise OpenAIError(400, str(exc)) from exc
+            raise value_error(exc) from exc
         limiter = self.policy.limiter
         cost = self.request_cost(prompts, params) if limiter.counts_tokens(context.key) else 0
         try:
