@@ -443,7 +443,7 @@ def test_prefill_attention_picks_the_fastest_kernel(kernel, monkeypatch, amx, in
     ``PAGEDLLM_BATCH_INVARIANT=1``), and everything else the exact kernel."""
     from pagedllm.layers import attention as attention_module
     if not kernel.prefill_attention_supported(HEAD_DIM):
-        pytest.skip("this build has no AVX-512 prefill kernel (prefill_attention always uses SDPA)")
+        pytest.skip("this build has no exact prefill kernel (prefill_attention always uses SDPA)")
     assert 1024 * 2048 == attention_module.SDPA_MIN_PAIRS
     monkeypatch.setattr(attention_module, "amx_preferred", lambda: amx)
     monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", invariant)
@@ -582,7 +582,7 @@ def test_prefill_kernel_matches_reference_and_sdpa(kernel, monkeypatch, num_head
     (an int8 cache under either query dtype) and the head shapes of SmolLM2, Qwen2.5-0.5B and
     Gemma 3; chunks with and without a cached prefix, partial tiles, a single token."""
     if not kernel.prefill_attention_supported(head_dim):
-        pytest.skip("this build has no AVX-512 prefill kernel (prefill_attention uses SDPA)")
+        pytest.skip("this build has no exact prefill kernel (prefill_attention uses SDPA)")
     query_dtype, cache_dtype = dtypes
     key_cache, value_cache, g = random_caches(num_kv_heads, cache_dtype, seed=num_cached + q_len, head_dim=head_dim)
     context_len = num_cached + q_len
@@ -643,7 +643,7 @@ def test_prefill_kernel_rows_equal_decode(kernel, num_heads, num_kv_heads, head_
     of its sequence: the same score order, softmax and weighted-sum order. This is what keeps
     recompute after preemption (prefill) equal to the decode steps it replays (case B18)."""
     if not kernel.prefill_attention_supported(head_dim):
-        pytest.skip("this build has no AVX-512 prefill kernel (prefill_attention uses SDPA)")
+        pytest.skip("this build has no exact prefill kernel (prefill_attention uses SDPA)")
     query_dtype, cache_dtype = dtypes
     key_cache, value_cache, g = random_caches(num_kv_heads, cache_dtype, seed=7 + q_len, head_dim=head_dim)
     context_len = num_cached + q_len
@@ -674,7 +674,7 @@ def test_prefill_kernel_rows_equal_decode(kernel, num_heads, num_kv_heads, head_
 
 def test_prefill_kernel_rejects_bad_tables_and_lengths(kernel):
     if not kernel.prefill_attention_supported(HEAD_DIM):
-        pytest.skip("this build has no AVX-512 prefill kernel")
+        pytest.skip("this build has no exact prefill kernel")
     key_cache, value_cache, g = random_caches(2, torch.float32, seed=3)
     query = torch.randn(20, 4, HEAD_DIM, generator=g)
     table = torch.tensor([5, 64])

@@ -116,7 +116,7 @@ def test_a_missing_library_says_how_to_build_it(monkeypatch, tmp_path):
 # The op and parity tests against the torch references, as the other variants run them.
 OP_TESTS = ["tests/test_fused_ops.py", "tests/test_attention.py", "tests/test_quantization.py",
             "tests/test_kv_cache_dtype.py", "tests/test_config_matrix.py", "tests/test_linear.py",
-            "tests/test_gemma3.py"]
+            "tests/test_gemma3.py", "tests/test_preemption_invariance.py"]
 AVX512_TESTS = ["tests/test_attention.py", "tests/test_kv_cache_dtype.py", "tests/test_quantization.py"]
 
 

@@ -41,7 +41,7 @@ EXACT_CONFIGS = [("bfloat16", None, "auto"), ("bfloat16", None, "int8"),
 def kernel():
     native = ops.native_ops()
     if native is None or not native.prefill_attention_supported(64):
-        pytest.skip("no AVX-512 prefill kernel in this build: prefill attention is torch's SDPA, "
+        pytest.skip("no exact prefill kernel in this build (AVX2 or AVX-512): prefill attention is torch's SDPA, "
                     "whose rows are close to the decode kernel's, not bitwise equal")
     return native
 

@@ -83,27 +83,6 @@ inline void prefetch_row(const T* row, int64_t row_bytes) {
   for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(bytes + off, 0, 1);
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// exp(x) for 8 floats, as cpu_vec.h's exp512 computes it (Cody-Waite range reduction, the
-// same degree-6 polynomial), with 2^n built in the exponent bits (AVX2 has no VSCALEFPS):
-// inputs below -87 give 0, above 88 are taken as 88.
-inline __m256 exp256(__m256 x) {
-  const __m256 normal = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), normal);
-}
-#endif
 
 // Sequences per thread from which a decode batch is split by sequence, not by KV head.
 constexpr int64_t kSeqsPerThread = 4;
@@ -622,6 +601,137 @@ void split_context_attention(T* out_base, const T* q_base, int64_t q_seq_stride,
 }
 #endif  // __AVX512F__
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+using pagedllm_vec::hsum8;
+using pagedllm_vec::load8;
+
+// scores[g * n] = q_g . k for kGroup query heads (q_g at q + g * kHeadDim, fp32) and one K row:
+// each sum over kHeadDim as 8 lane partial sums (lane l adds dimensions l, l + 8, ...: a
+// multiply, then FMAs in dimension order), added by hsum8: the order prefill_attention.cpp's
+// float_scores8 reproduces. Each 8 values of the row are widened once for the group.
+template <typename C, int kHeadDim, int kGroup>
+inline void group_dot8(const float* q, const C* k, float* scores, int64_t n) {
+  __m256 acc[kGroup];
+  const __m256 k0 = load8(k);
+#pragma GCC unroll 4
+  for (int g = 0; g < kGroup; ++g) acc[g] = _mm256_mul_ps(_mm256_loadu_ps(q + g * kHeadDim), k0);
+#pragma GCC unroll 32
+  for (int c = 1; c < kHeadDim / 8; ++c) {
+    const __m256 kc = load8(k + 8 * c);
+#pragma GCC unroll 4
+    for (int g = 0; g < kGroup; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * kHeadDim + 8 * c), kc, acc[g]);
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < kGroup; ++g) scores[g * n] = hsum8(acc[g]);
+}
+
+// The integer dot product of two rows of int8 codes (exact in int32, so in any order).
+template <int kHeadDim>
+inline int32_t dot_int8(const int8_t* q, const int8_t* k) {
+  __m256i acc = _mm256_setzero_si256();
+  for (int d = 0; d < kHeadDim; d += 16) {
+    const __m256i qw = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + d)));
+    const __m256i kw = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + d)));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(qw, kw));
+  }
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+  int32_t sum = 0;
+  for (int32_t lane : lanes) sum += lane;
+  return sum;
+}
+
+// The x86-64-v3 build's decode kernel: one sequence's attention for the `group` query heads of
+// one KV head (q: the first of them, head_dim contiguous, q_head_stride apart; out: their
+// output rows, contiguous). Each K row is read once for the group: scores by group_dot8 (over an
+// int8 cache, the query rounded as a cache row and integer dot products, as the AVX-512
+// kernel's); softmax_rows; the weighted sum of V in position order with one FMA per product,
+// kFoldTokens positions at a time (ops.h), 64 values of a head held in registers over a block.
+// prefill_attention.cpp's AVX2 prefill_impl computes each of its rows as this does.
+// Scratch: q_f group * kHeadDim floats, q8 group * (kHeadDim + 4) bytes, scores group * n,
+// acc and part group * kHeadDim each, inv_sum group.
+template <typename T, typename C, int kHeadDim>
+void attend_avx2(const T* q, int64_t q_head_stride, const C* k_head, const C* v_head, const int64_t* table,
+                 int64_t start, int64_t context_len, int64_t block_size, int64_t block_stride, int64_t token_stride,
+                 int64_t group, float scale, float* q_f, int8_t* q8, float* scores, float* acc, float* part,
+                 float* inv_sum, T* out) {
+  static_assert(kHeadDim % 64 == 0, "a head's row is held 64 values at a time");
+  constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
+  constexpr int64_t kRowBytes = (kHeadDim + kv_row_extra<C>()) * static_cast<int64_t>(sizeof(C));
+  constexpr int64_t kQ8Row = kHeadDim + kKvScaleBytes;
+  const int64_t n = context_len - start;
+  for (int64_t g = 0; g < group; ++g) {
+    float* qf = q_f + g * kHeadDim;
+    for (int d = 0; d < kHeadDim; ++d) qf[d] = to_float(q[g * q_head_stride + d]) * scale;
+    if constexpr (kInt8Cache) quantize_kv_row(q8 + g * kQ8Row, qf, kHeadDim);
+  }
+  for_each_cached_block(k_head, table, start, context_len, block_size, block_stride, token_stride,
+                        [&](const C* block, const C* next, int64_t first, int64_t count) {
+    for (int64_t slot = 0; slot < count; ++slot) {
+      prefetch_row(next + slot * token_stride, kRowBytes);
+      const C* k = block + slot * token_stride;
+      if constexpr (kInt8Cache) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int8_t* qc = q8 + g * kQ8Row;
+          scores[g * n + first + slot] = static_cast<float>(dot_int8<kHeadDim>(qc, k)) *
+                                         (kv_row_scale(qc, kHeadDim) * kv_row_scale(k, kHeadDim));
+        }
+      } else {
+        for (int64_t g = 0; g < group; g += 4) {
+          const float* qg = q_f + g * kHeadDim;
+          float* sg = scores + g * n + first + slot;
+          switch (std::min<int64_t>(4, group - g)) {
+            case 1: group_dot8<C, kHeadDim, 1>(qg, k, sg, n); break;
+            case 2: group_dot8<C, kHeadDim, 2>(qg, k, sg, n); break;
+            case 3: group_dot8<C, kHeadDim, 3>(qg, k, sg, n); break;
+            default: group_dot8<C, kHeadDim, 4>(qg, k, sg, n); break;
+          }
+        }
+      }
+    }
+  });
+  pagedllm_vec::softmax_rows(scores, n, group, inv_sum);
+
+  const int64_t size = group * kHeadDim;
+  std::fill(acc, acc + size, 0.f);
+  for (int64_t c = start; c < context_len; c += kFoldTokens) {
+    const int64_t c_end = std::min(context_len, c + kFoldTokens);
+    float* into = c == start ? acc : part;
+    if (c != start) std::fill(part, part + size, 0.f);
+    for_each_cached_block(v_head, table, c, c_end, block_size, block_stride, token_stride,
+                          [&](const C* block, const C* next, int64_t first, int64_t count) {
+      first += c - start;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* w = scores + g * n + first;
+        for (int s0 = 0; s0 < kHeadDim; s0 += 64) {
+          float* a_out = into + g * kHeadDim + s0;
+          __m256 a[8];
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(a_out + 8 * i);
+          for (int64_t slot = 0; slot < count; ++slot) {
+            const C* v = block + slot * token_stride;
+            if (g == 0 && s0 == 0) prefetch_row(next + slot * token_stride, kRowBytes);
+            const __m256 p = _mm256_set1_ps(kInt8Cache ? w[slot] * kv_row_scale(v, kHeadDim) : w[slot]);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(p, load8(v + s0 + 8 * i), a[i]);
+          }
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) _mm256_storeu_ps(a_out + 8 * i, a[i]);
+        }
+      }
+    });
+    if (c != start) {
+      for (int64_t i = 0; i < size; i += 8) {
+        _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_loadu_ps(part + i)));
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    for (int d = 0; d < kHeadDim; ++d) out[g * kHeadDim + d] = static_cast<T>(acc[g * kHeadDim + d] * inv_sum[g]);
+  }
+}
+#endif  // AVX2 without AVX-512F
+
 // kHeadDim > 0 fixes head_dim at compile time: the per-token loops then unroll fully and a
 // head's q and output accumulator stay in vector registers (measured ~2x on the decode step
 // against the runtime-length loops). kHeadDim == 0 is the generic path for other sizes.
@@ -722,6 +832,21 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         continue;
       }
 #endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+      if constexpr (kHeadDim > 0 && kHeadDim % 64 == 0) {
+        scores.resize(group * n);
+        q_f.resize(group * head_dim);
+        acc.resize(2 * group * head_dim + group);  // accumulators, a chunk's, then 1 / sum per head
+        q8.resize(group * (head_dim + kKvScaleBytes));
+        attend_avx2<T, C, kHeadDim>(q_base + seq * q_seq_stride + kv_head * group * q_head_stride, q_head_stride,
+                                    k_base + kv_head * row_len, v_base + kv_head * row_len, table, start,
+                                    context_len, block_size, block_stride, token_stride, group, scale, q_f.data(),
+                                    q8.data(), scores.data(), acc.data(), acc.data() + group * head_dim,
+                                    acc.data() + 2 * group * head_dim,
+                                    out_base + (seq * num_heads + kv_head * group) * head_dim);
+        continue;
+      }
+#endif
       scores.resize(n);
       // One query head at a time: its K/V rows were just read for the previous head of the
       // group and come from cache, while q and the accumulator live in registers.
@@ -762,22 +887,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
         });
         // Max-subtracted softmax, as torch's.
         float sum = 0.f;
-        int64_t t = 0;
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-        // The AVX2 build: 8 exponentials at a time (scalar std::exp was most of this path's
-        // time at 4k tokens).
-        __m256 sums = _mm256_setzero_ps();
-        const __m256 m = _mm256_set1_ps(max_score);
-        for (; t + 8 <= n; t += 8) {
-          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores.data() + t), m));
-          _mm256_storeu_ps(scores.data() + t, e);
-          sums = _mm256_add_ps(sums, e);
-        }
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, sums);
-        for (float lane : lanes) sum += lane;
-#endif
-        for (; t < n; ++t) {
+        for (int64_t t = 0; t < n; ++t) {
           scores[t] = std::exp(scores[t] - max_score);
           sum += scores[t];
         }

@@ -25,8 +25,9 @@
 // needs a gathered K/V and an explicit mask for a chunk with a cached prefix (bench/README.md,
 // "Zen 4 profile": 1.7-2.4x).
 //
-// AVX-512 builds only, head_dim 64, 128 or 256 (prefill_attention_supported); elsewhere the
-// Python side keeps SDPA (pagedllm/layers/attention.py).
+// AVX-512 builds, and the x86-64-v3 (AVX2 + FMA) build on 8 lanes (the second
+// prefill_impl below); head_dim 64, 128 or 256 (prefill_attention_supported); elsewhere the Python side
+// keeps SDPA (pagedllm/layers/attention.py).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -38,6 +39,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <new>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -316,6 +318,205 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   });
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+// The x86-64-v3 build's twin of prefill_impl on 8 fp32 lanes: tiles of 8 queries and 8 keys,
+// each row bitwise what the decode kernel (paged_attention.cpp, attend_avx2) gives its token.
+using pagedllm_vec::load8;
+using pagedllm_vec::softmax_rows;
+
+// A std::vector allocator of 32-byte aligned storage (the packed K tiles are read by aligned loads).
+template <typename E>
+struct Aligned32 {
+  using value_type = E;
+  Aligned32() = default;
+  template <typename U>
+  Aligned32(const Aligned32<U>&) {}
+  E* allocate(size_t n) { return static_cast<E*>(::operator new(n * sizeof(E), std::align_val_t{32})); }
+  void deallocate(E* p, size_t) { ::operator delete(p, std::align_val_t{32}); }
+  template <typename U>
+  bool operator==(const Aligned32<U>&) const { return true; }
+};
+
+constexpr int64_t kTile8 = 8;    // keys per tile (one ymm of fp32 scores), rows per float_scores8
+constexpr int64_t kQTile8 = 16;  // queries per work item: each K/V tile read from L3 once for 16
+static_assert(kFoldTokens % kTile8 == 0, "a V chunk (ops.h) is whole key tiles");
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+// s[i] lane j = q_i . k_j for 8 query rows (q: [8][kHeadDim] fp32) and a tile of 8 keys of K
+// transposed (dimension d of key j at k[d * 8 + j]), each sum in attend_avx2's order (group_dot8): lane l's
+// partial sum adds dimensions l, l + 8, ... (a multiply, then FMAs), and the 8 partial sums are
+// added as hsum8 adds them: (l, l + 4), then (l, l + 2), then (0, 1). Here each lane's partial
+// sums are a vector over the 8 keys, so that tree is vertical adds. Over an int8 cache q and k
+// hold codes: every partial sum is an integer below 2^24, exact, so the score equals the
+// decode kernel's integer dot product.
+template <int kHeadDim>
+inline void float_scores8(const float* q, const float* k, __m256 (&s)[kTile8]) {
+  // Lane l's partial sums for the 8 rows at once: each K vector loaded once for all of them.
+  alignas(32) float part[8][kTile8][8];
+  for (int l = 0; l < 8; ++l) {
+    __m256 acc[kTile8];
+    const __m256 k0 = _mm256_load_ps(k + l * kTile8);
+#pragma GCC unroll 8
+    for (int i = 0; i < kTile8; ++i) acc[i] = _mm256_mul_ps(_mm256_broadcast_ss(q + i * kHeadDim + l), k0);
+    for (int c = 1; c < kHeadDim / 8; ++c) {
+      const __m256 kc = _mm256_load_ps(k + (8 * c + l) * kTile8);
+#pragma GCC unroll 8
+      for (int i = 0; i < kTile8; ++i) {
+        acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i * kHeadDim + 8 * c + l), kc, acc[i]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < kTile8; ++i) _mm256_store_ps(part[l][i], acc[i]);
+  }
+  for (int i = 0; i < kTile8; ++i) {
+    __m256 x[4];
+    for (int l = 0; l < 4; ++l) x[l] = _mm256_add_ps(_mm256_load_ps(part[l][i]), _mm256_load_ps(part[l + 4][i]));
+    s[i] = _mm256_add_ps(_mm256_add_ps(x[0], x[2]), _mm256_add_ps(x[1], x[3]));
+  }
+}
+
+template <typename T, typename C, int kHeadDim>
+void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                  const int64_t* table, int64_t context_len, float scale) {
+  const int64_t q_len = query.size(0), num_heads = query.size(1);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  constexpr int64_t kRow = kHeadDim + kv_row_extra<C>();
+  const int64_t token_stride = num_kv_heads * kRow, block_stride = block_size * token_stride;
+  const int64_t q_token_stride = query.stride(0), q_head_stride = query.stride(1);
+  const int64_t first_pos = context_len - q_len;
+  const int64_t padded = (context_len + kTile8 - 1) / kTile8 * kTile8;
+  const C* k_base = key_cache.data_ptr<C>();
+  const C* v_base = value_cache.data_ptr<C>();
+  const T* q_base = query.data_ptr<T>();
+  T* out_base = out.data_ptr<T>();
+  auto row_of = [&](const C* base, int64_t pos) {
+    return base + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+  };
+  // K transposed by tiles of 8 keys, each tile's kHeadDim x 8 floats contiguous (streamed in
+  // order as the scores walk the keys): kt[((kv_head * key_tiles + pos / 8) * kHeadDim + d) * 8
+  // + pos % 8]; an int8 cache's codes as floats, their scales in k_scales[kv_head * padded +
+  // pos]; zero past context_len.
+  constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
+  const int64_t key_tiles = padded / kTile8;
+  std::vector<float, Aligned32<float>> kt(static_cast<size_t>(num_kv_heads * kHeadDim * padded), 0.f);
+  std::vector<float> k_scales(kInt8Cache ? static_cast<size_t>(num_kv_heads * padded) : 0, 0.f);
+  at::parallel_for(0, context_len, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t pos = begin; pos < end; ++pos) {
+      const C* row = row_of(k_base, pos);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const C* head_row = row + h * kRow;
+        float* tile = kt.data() + (h * key_tiles + pos / kTile8) * kHeadDim * kTile8 + pos % kTile8;
+        for (int d = 0; d < kHeadDim; ++d) tile[d * kTile8] = to_float(head_row[d]);
+        if constexpr (kInt8Cache) k_scales[h * padded + pos] = kv_row_scale(head_row, kHeadDim);
+      }
+    }
+  });
+
+  // Items (head, query tile) from a shared counter, the costliest tiles first (as prefill_impl).
+  const int64_t tiles = (q_len + kQTile8 - 1) / kQTile8, num_items = num_heads * tiles;
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    alignas(32) float q[kQTile8 * kHeadDim];
+    alignas(32) float o[kQTile8 * kHeadDim];
+    alignas(32) float oc[kQTile8 * kHeadDim];  // a later kFoldTokens chunk's sum (ops.h)
+    float inv_sum[kQTile8], q_scales[kQTile8];
+    int8_t q8[kHeadDim + kKvScaleBytes];
+    // The tile's scores, then softmax weights: row i's key j at scores[i * padded + j].
+    std::vector<float> scores(static_cast<size_t>(kQTile8 * padded));
+    for (int64_t item = next_item++; item < num_items; item = next_item++) {
+      const int64_t head = item % num_heads, tile = tiles - 1 - item / num_heads;
+      const int64_t kv_head = head / group;
+      const int64_t row0 = tile * kQTile8, rows = std::min(kQTile8, q_len - row0);
+      const int64_t pos0 = first_pos + row0, last_pos = pos0 + rows - 1;
+      const int64_t keys_end = (last_pos + kTile8) / kTile8 * kTile8;
+      for (int64_t i = 0; i < kQTile8; ++i) {
+        float* qi = q + i * kHeadDim;
+        const T* src = q_base + (row0 + i) * q_token_stride + head * q_head_stride;
+        for (int d = 0; d < kHeadDim; ++d) qi[d] = i < rows ? to_float(src[d]) * scale : 0.f;
+        if constexpr (kInt8Cache) {  // rounded as a cache row; its codes are the scores' operands
+          quantize_kv_row(q8, qi, kHeadDim);
+          for (int d = 0; d < kHeadDim; ++d) qi[d] = q8[d];
+          q_scales[i] = kv_row_scale(q8, kHeadDim);
+        }
+      }
+      const float* k_head = kt.data() + kv_head * kHeadDim * padded;
+      for (int64_t key0 = 0; key0 < keys_end; key0 += kTile8) {
+        for (int64_t i0 = 0; i0 < rows; i0 += kTile8) {
+          __m256 s[kTile8];
+          float_scores8<kHeadDim>(q + i0 * kHeadDim, k_head + key0 * kHeadDim, s);
+          if constexpr (kInt8Cache) {
+            const __m256 ks = _mm256_loadu_ps(k_scales.data() + kv_head * padded + key0);
+            for (int i = 0; i < kTile8; ++i) {
+              s[i] = _mm256_mul_ps(s[i], _mm256_mul_ps(_mm256_set1_ps(q_scales[i0 + i]), ks));
+            }
+          }
+          for (int i = 0; i < kTile8; ++i) _mm256_storeu_ps(scores.data() + (i0 + i) * padded + key0, s[i]);
+        }
+      }
+      for (int64_t i = 0; i < kQTile8; ++i) {
+        float* row = scores.data() + i * padded;
+        const int64_t n = i < rows ? pos0 + i + 1 : 0;
+        if (n > 0) softmax_rows(row, n, 1, inv_sum + i);
+        std::fill(row + n, row + keys_end, 0.f);
+      }
+      // The weighted sum in position order, kFoldTokens keys at a time (as prefill_impl), each
+      // row's 64 values at a time in registers; an int8 cache's weights times the row's scale.
+      std::fill(o, o + kQTile8 * kHeadDim, 0.f);
+      auto fold_chunk = [&](int64_t chunk_start) {
+        for (int64_t i = std::max<int64_t>(0, chunk_start - pos0); i < rows; ++i) {
+          for (int d = 0; d < kHeadDim; d += 8) {
+            float* oi = o + i * kHeadDim + d;
+            _mm256_store_ps(oi, _mm256_add_ps(_mm256_load_ps(oi), _mm256_load_ps(oc + i * kHeadDim + d)));
+          }
+        }
+      };
+      for (int64_t key0 = 0; key0 <= last_pos; key0 += kTile8) {
+        if (key0 > 0 && key0 % kFoldTokens == 0) {
+          if (key0 > kFoldTokens) fold_chunk(key0 - kFoldTokens);
+          std::fill(oc, oc + kQTile8 * kHeadDim, 0.f);
+        }
+        float* sum = key0 < kFoldTokens ? o : oc;
+        const int64_t keys = std::min(kTile8, last_pos + 1 - key0);
+        const C* v_rows[kTile8];
+        float v_scales[kTile8];
+        for (int64_t j = 0; j < keys; ++j) {
+          v_rows[j] = row_of(v_base, key0 + j) + kv_head * kRow;
+          v_scales[j] = kv_row_scale(v_rows[j], kHeadDim);
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+          const float* w = scores.data() + i * padded + key0;
+          float wv[kTile8];
+          for (int64_t j = 0; j < keys; ++j) wv[j] = kInt8Cache ? w[j] * v_scales[j] : w[j];
+          for (int s0 = 0; s0 < kHeadDim; s0 += 64) {
+            float* a_out = sum + i * kHeadDim + s0;
+            __m256 a[8];
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; ++r) a[r] = _mm256_load_ps(a_out + 8 * r);
+            for (int64_t j = 0; j < keys; ++j) {
+              const __m256 p = _mm256_set1_ps(wv[j]);
+#pragma GCC unroll 8
+              for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(p, load8(v_rows[j] + s0 + 8 * r), a[r]);
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; ++r) _mm256_store_ps(a_out + 8 * r, a[r]);
+          }
+        }
+      }
+      if (last_pos >= kFoldTokens) fold_chunk(last_pos / kFoldTokens * kFoldTokens);
+      for (int64_t i = 0; i < rows; ++i) {
+        T* dst = out_base + ((row0 + i) * num_heads + head) * kHeadDim;
+        for (int d = 0; d < kHeadDim; ++d) dst[d] = static_cast<T>(o[i * kHeadDim + d] * inv_sum[i]);
+      }
+    }
+  });
+}
+#endif  // __AVX512F__, or AVX2 + FMA
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 template <typename T, typename C>
 void dispatch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
               const int64_t* table, int64_t context_len, float scale) {
@@ -325,12 +526,12 @@ void dispatch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_ca
     default: return prefill_impl<T, C, 256>(out, query, key_cache, value_cache, table, context_len, scale);
   }
 }
-#endif  // __AVX512F__
+#endif
 
 }  // namespace
 
 bool prefill_attention_supported(int64_t head_dim) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return head_dim == 64 || head_dim == 128 || head_dim == 256;
 #else
   (void)head_dim;
@@ -373,7 +574,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
   TORCH_CHECK_VALUE(prefill_attention_supported(query.size(2)),
                     "paged_prefill_attention: head_dim ", query.size(2), " is not supported by this build");
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const bool int8_cache = key_cache.scalar_type() == at::kChar;
   const int64_t* table = block_table.data_ptr<int64_t>();
   const float s = static_cast<float>(scale);

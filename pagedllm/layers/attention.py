@@ -272,7 +272,7 @@ class PrefillAttention(CustomOp):
     kernel (``windowed_rows_as_decode``); the others, where SDPA is not faster
     (``sdpa_is_faster``), a C++ kernel that reads K/V through ``seq.block_table``: for bf16 over
     a bf16 cache (``bf16_kernel_preferred``) ``csrc/prefill_attention_bf16.cpp`` (AVX512_BF16
-    builds), else ``csrc/prefill_attention.cpp`` (AVX-512 builds; each row bitwise the decode
+    builds), else ``csrc/prefill_attention.cpp`` (AVX-512 and AVX2 builds; each row bitwise the decode
     kernel's); both take head_dim 64, 128 or 256. Otherwise ``prefill_attention_sdpa``
     (``forward_native``). Arguments and result as ``prefill_attention_sdpa``.
     """
