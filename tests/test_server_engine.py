@@ -44,6 +44,19 @@ def test_full_waiting_queue_answers_429_with_retry_after():
         assert client.completions.create(model=MODEL, prompt=[1], max_tokens=2).usage.completion_tokens == 2
 
 
+def test_retrieve_model_by_id():
+    """OpenAI's ``client.models.retrieve`` (found missing by a fresh user): the ``/v1/models``
+    entry, whose id may hold slashes; an unknown id is a 404 naming it."""
+    with InThreadServer(make_tiny_engine(), served_model_name="org/tiny-model") as server:
+        client = openai_client(server)
+        (listed,) = client.models.list().data
+        assert client.models.retrieve("org/tiny-model") == listed
+        with pytest.raises(openai.NotFoundError) as info:
+            client.models.retrieve("org/other")
+        assert info.value.body == {"message": "The model 'org/other' does not exist", "type": "NotFoundError",
+                                   "param": "model", "code": 404}
+
+
 def test_request_timeout_aborts_and_frees_blocks():
     engine = slowed(make_tiny_engine(), 0.03)
     with InThreadServer(engine, request_timeout=0.5) as server:
@@ -366,9 +379,14 @@ def chat_server():
         yield server
 
 
-def test_chat_top_logprobs_out_of_range_names_top_logprobs(chat_server):
+@pytest.mark.parametrize("top_logprobs,message", [
+    (50, "top_logprobs must be in [0, 20], got 50"),
+    (-1, "top_logprobs=-1 asks for the whole vocabulary, more than the 20 alternatives per token allowed "
+         "(vLLM's max_logprobs); ask for 0 to 20")])
+def test_chat_top_logprobs_out_of_range_names_top_logprobs(chat_server, top_logprobs, message):
     """Chat's ``top_logprobs`` is ``SamplingParams.logprobs`` inside; the 400 names the field
-    the client sent (found by a fresh user)."""
+    the client sent, also where the message gives it as ``field=value`` (both found by fresh users)."""
     response = httpx.post(chat_server.url + "/v1/chat/completions", timeout=30, json={
-        "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50, "max_tokens": 2})
-    assert_openai_error(response, 400, "BadRequestError", "top_logprobs must be in [0, 20], got 50", "top_logprobs")
+        "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": top_logprobs,
+        "max_tokens": 2})
+    assert_openai_error(response, 400, "BadRequestError", message, "top_logprobs")

@@ -347,6 +347,16 @@ async def list_models(raw_request: Request) -> dict:
             "data": models(raw_request).list_models(raw_request.app.state.created, client_context(raw_request).key)}
 
 
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, raw_request: Request) -> dict:
+    """OpenAI's retrieve-model: the ``/v1/models`` entry whose id is ``model_id`` (ids may hold
+    slashes), 404 if this API key sees none."""
+    for entry in models(raw_request).list_models(raw_request.app.state.created, client_context(raw_request).key):
+        if entry["id"] == model_id:
+            return entry
+    raise OpenAIError(404, f"The model {model_id!r} does not exist", "NotFoundError", param="model")
+
+
 @router.get("/metrics")
 async def metrics(raw_request: Request) -> Response:
     engine_metrics = engine_client(raw_request).metrics

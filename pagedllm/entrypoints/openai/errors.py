@@ -66,8 +66,8 @@ class OpenAIError(Exception):
 
 def sampling_params_error(exc: ValueError) -> OpenAIError:
     """A ``SamplingParams`` ``ValueError`` as a 400; its message starts with the field's name
-    (``temperature must be >= 0, got -1``), which becomes ``param``."""
-    field = str(exc).split(" ", 1)[0].rstrip(":")
+    (``temperature must be >= 0, got -1``, ``logprobs=-1 asks for ...``), which becomes ``param``."""
+    field = re.split(r"[ =]", str(exc), maxsplit=1)[0].rstrip(":")
     return OpenAIError(400, str(exc), param=field if field.isidentifier() else None)
 
 
