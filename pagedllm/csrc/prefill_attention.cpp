@@ -67,7 +67,7 @@ inline float to_float(int8_t x) { return static_cast<float>(x); }
 constexpr bool kVnni = true;
 // s[i] lane j = float(q_i . k_j) for 16 query rows of int8 codes (q_codes [16][kHeadDim],
 // q_offsets[i] = 128 * sum of row i's codes) and 16 keys at kt8 (bytes k + 128, 4 dimensions
-// per key, rows of 4 dimensions `padded` keys apart). The sums are exact, so these are bitwise
+// per key, rows of 4 dimensions `padded` keys apart: kTile in the packed tiles of prefill_impl). The sums are exact, so these are bitwise
 // the fp32 sums of integer products of the generic path. The accumulators are locals indexed
 // by unrolled constants and VPDPBUSD is inline asm, so GCC keeps them in registers without a
 // copy per instruction (csrc/w8a8.cpp); inlined into prefill_impl, it kept them on the stack.
@@ -96,7 +96,8 @@ inline void int_scores(const int8_t*, const int32_t*, const uint8_t*, int64_t, _
 #endif
 
 // s[i] lane j = q_i . k_j for 16 query rows (q: [16][kHeadDim] fp32) and 16 keys of K
-// transposed (dimension d of key j at k[d * padded + j]), each sum taken in the decode kernel's
+// transposed (dimension d of key j at k[d * padded + j]; padded = kTile in prefill_impl's packed
+// tiles), each sum taken in the decode kernel's
 // order (paged_attention.cpp group_scores): lane l of a 16-lane partial sum adds dimensions
 // l, l + 16, l + 32, ... (a multiply, then FMAs), and the 16 lanes are added as
 // _mm512_reduce_add_ps and sum4 add them: (l, l + 8), then (l, l + 4), then (0, 2) and (1, 3),
@@ -142,7 +143,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   const int64_t token_stride = num_kv_heads * kRow, block_stride = block_size * token_stride;
   const int64_t q_token_stride = query.stride(0), q_head_stride = query.stride(1);
   const int64_t first_pos = context_len - q_len;
-  const int64_t padded = (context_len + kTile - 1) / kTile * kTile;
+  const int64_t padded = (context_len + kTile - 1) / kTile * kTile, key_tiles = padded / kTile;
   const C* k_base = key_cache.data_ptr<C>();
   const C* v_base = value_cache.data_ptr<C>();
   const T* q_base = query.data_ptr<T>();
@@ -151,15 +152,18 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
     return base + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
   };
 
-  // K transposed: kt[(kv_head * kHeadDim + d) * padded + pos], zero past context_len. An int8
+  // K transposed by tiles of kTile keys, each tile's kHeadDim x kTile values contiguous (the
+  // score loop then streams them in order, where one row per dimension made a tile's kHeadDim
+  // lines strided reads): kt[((kv_head * key_tiles + pos / kTile) *
+  // kHeadDim + d) * kTile + pos % kTile], zero past context_len. An int8
   // cache's codes go in as they are, their scales into k_scales[kv_head * padded + pos], and
   // each query row is rounded as a cache row (quantize_kv_row of q * scale, its codes in q):
   // a score is then an fp32 sum of integer products, exact (|sum| <= 256 * 127 * 127 < 2^24),
   // times q_scale * k_scale, bitwise the decode kernel's score (paged_attention.cpp).
   constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
   // With AVX512_VNNI an int8 cache's keys go instead into kt8, as unsigned bytes k + 128 grouped
-  // by 4 dimensions: kt8[((h * kHeadDim / 4 + d / 4) * padded + pos) * 4 + d % 4], so one 64-byte
-  // load is 16 keys x 4 dimensions and one VPDPBUSD adds them times a query's 4 codes (the
+  // by 4 dimensions, in the same tiles: kt8[(((h * key_tiles + pos / kTile) * kHeadDim / 4 +
+  // d / 4) * kTile + pos % kTile) * 4 + d % 4], so one 64-byte load is 16 keys x 4 dimensions and one VPDPBUSD adds them times a query's 4 codes (the
   // decode kernel's integer scores, kKeyOffset = 128 * sum(q codes) subtracted per row).
   constexpr bool kIntScores = kInt8Cache && kVnni;
   std::vector<float> kt(kIntScores ? 0 : static_cast<size_t>(num_kv_heads * kHeadDim * padded), 0.f);
@@ -172,10 +176,12 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
         const C* head_row = row + h * kRow;
         if constexpr (kIntScores) {
           for (int d = 0; d < kHeadDim; ++d) {
-            kt8[((h * kHeadDim / 4 + d / 4) * padded + pos) * 4 + d % 4] = static_cast<uint8_t>(head_row[d] + 128);
+            kt8[(((h * key_tiles + pos / kTile) * kHeadDim / 4 + d / 4) * kTile + pos % kTile) * 4 + d % 4] =
+                static_cast<uint8_t>(head_row[d] + 128);
           }
         } else {
-          for (int d = 0; d < kHeadDim; ++d) kt[(h * kHeadDim + d) * padded + pos] = to_float(head_row[d]);
+          float* tile = kt.data() + (h * key_tiles + pos / kTile) * kHeadDim * kTile + pos % kTile;
+          for (int d = 0; d < kHeadDim; ++d) tile[d * kTile] = to_float(head_row[d]);
         }
         if constexpr (kInt8Cache) k_scales[h * padded + pos] = kv_row_scale(head_row, kHeadDim);
       }
@@ -230,10 +236,9 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
       for (int64_t key0 = 0; key0 < keys_end; key0 += kTile) {
         __m512 s[kTile];
         if constexpr (kIntScores) {
-          int_scores<kHeadDim>(q_codes, q_offsets, kt8.data() + (kv_head * kHeadDim / 4 * padded + key0) * 4,
-                               padded, s);
+          int_scores<kHeadDim>(q_codes, q_offsets, kt8.data() + (kv_head * padded + key0) * kHeadDim, kTile, s);
         } else {
-          float_scores<kHeadDim>(q, k_head + key0, padded, s);
+          float_scores<kHeadDim>(q, k_head + key0 * kHeadDim, kTile, s);
         }
         if constexpr (kInt8Cache) {
           const __m512 ks = _mm512_loadu_ps(k_scales.data() + kv_head * padded + key0);
