@@ -83,7 +83,6 @@ inline void prefetch_row(const T* row, int64_t row_bytes) {
   for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(bytes + off, 0, 1);
 }
 
-
 // Sequences per thread from which a decode batch is split by sequence, not by KV head.
 constexpr int64_t kSeqsPerThread = 4;
 
@@ -786,7 +785,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t threads = at::get_num_threads();
   // Whole sequences per item once there are kSeqsPerThread of them per thread (see the AVX-512
   // section); fewer sequences, each long enough, split by context; otherwise one item per KV
-  // head. The generic path always takes one KV head per item.
+  // head. The AVX2 and generic paths always take one KV head per item.
   const bool whole_seqs = kVector && num_seqs >= kSeqsPerThread * threads;
 #if defined(__AVX512F__)
   if constexpr (kVector) {
