@@ -54,14 +54,39 @@ namespace {
 constexpr int64_t kTile = 16;  // queries per tile and keys per tile (one zmm of fp32 scores)
 static_assert(kFoldTokens % kTile == 0, "a V chunk (ops.h) is whole key tiles");
 
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+// K of one prefill call transposed by tiles of kKeyTile keys, each tile's kHeadDim x kKeyTile
+// floats contiguous, so that the score loop streams them in order (one row per dimension,
+// context_len apart, made a tile's kHeadDim lines strided reads; bench/README.md, "Exact
+// prefill attention: K packed in key tiles"): kt[((kv_head * padded / kKeyTile + pos /
+// kKeyTile) * kHeadDim + d) * kKeyTile + pos % kKeyTile] for pos < context_len (the caller zeroes
+// the rest). An int8 cache's codes go in as floats, their scales into k_scales[kv_head * padded
+// + pos]. row_of(k_base, pos): the cache row of position pos (its block table's slot).
+template <int64_t kKeyTile, int kHeadDim, typename C, typename RowOf>
+void pack_key_tiles(const RowOf& row_of, const C* k_base, int64_t context_len, int64_t num_kv_heads,
+                    int64_t padded, float* kt, float* k_scales) {
+  constexpr int64_t kRow = kHeadDim + kv_row_extra<C>();
+  at::parallel_for(0, context_len, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t pos = begin; pos < end; ++pos) {
+      const C* row = row_of(k_base, pos);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const C* head_row = row + h * kRow;
+        float* tile = kt + (h * padded / kKeyTile + pos / kKeyTile) * kHeadDim * kKeyTile + pos % kKeyTile;
+        for (int d = 0; d < kHeadDim; ++d) tile[d * kKeyTile] = to_float(head_row[d]);
+        if constexpr (std::is_same_v<C, int8_t>) k_scales[h * padded + pos] = kv_row_scale(head_row, kHeadDim);
+      }
+    }
+  });
+}
+
 #if defined(__AVX512F__)
 using pagedllm_vec::load16;
 using pagedllm_vec::softmax_rows;
 using pagedllm_vec::store16;
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 #if defined(__AVX512VNNI__)
 constexpr bool kVnni = true;
@@ -152,41 +177,37 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
     return base + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
   };
 
-  // K transposed by tiles of kTile keys, each tile's kHeadDim x kTile values contiguous (the
-  // score loop then streams them in order, where one row per dimension made a tile's kHeadDim
-  // lines strided reads): kt[((kv_head * key_tiles + pos / kTile) *
-  // kHeadDim + d) * kTile + pos % kTile], zero past context_len. An int8
-  // cache's codes go in as they are, their scales into k_scales[kv_head * padded + pos], and
-  // each query row is rounded as a cache row (quantize_kv_row of q * scale, its codes in q):
-  // a score is then an fp32 sum of integer products, exact (|sum| <= 256 * 127 * 127 < 2^24),
-  // times q_scale * k_scale, bitwise the decode kernel's score (paged_attention.cpp).
+  // K transposed by tiles of kTile keys (pack_key_tiles), zero past context_len. Over an int8
+  // cache each query row is rounded as a cache row (quantize_kv_row of q * scale, its codes in
+  // q): a score is then an fp32 sum of integer products, exact (|sum| <= 256 * 127 * 127 <
+  // 2^24), times q_scale * k_scale, bitwise the decode kernel's score (paged_attention.cpp).
   constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
   // With AVX512_VNNI an int8 cache's keys go instead into kt8, as unsigned bytes k + 128 grouped
   // by 4 dimensions, in the same tiles: kt8[(((h * key_tiles + pos / kTile) * kHeadDim / 4 +
-  // d / 4) * kTile + pos % kTile) * 4 + d % 4], so one 64-byte load is 16 keys x 4 dimensions and one VPDPBUSD adds them times a query's 4 codes (the
-  // decode kernel's integer scores, kKeyOffset = 128 * sum(q codes) subtracted per row).
+  // d / 4) * kTile + pos % kTile) * 4 + d % 4], so one 64-byte load is 16 keys x 4 dimensions
+  // and one VPDPBUSD adds them times a query's 4 codes (the decode kernel's integer scores,
+  // kKeyOffset = 128 * sum(q codes) subtracted per row).
   constexpr bool kIntScores = kInt8Cache && kVnni;
   std::vector<float> kt(kIntScores ? 0 : static_cast<size_t>(num_kv_heads * kHeadDim * padded), 0.f);
   std::vector<uint8_t> kt8(kIntScores ? static_cast<size_t>(num_kv_heads * kHeadDim * padded) : 0, 0x80);
   std::vector<float> k_scales(kInt8Cache ? static_cast<size_t>(num_kv_heads * padded) : 0, 0.f);
-  at::parallel_for(0, context_len, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t pos = begin; pos < end; ++pos) {
-      const C* row = row_of(k_base, pos);
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const C* head_row = row + h * kRow;
-        if constexpr (kIntScores) {
+  if constexpr (kIntScores) {
+    at::parallel_for(0, context_len, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t pos = begin; pos < end; ++pos) {
+        const C* row = row_of(k_base, pos);
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const C* head_row = row + h * kRow;
           for (int d = 0; d < kHeadDim; ++d) {
             kt8[(((h * key_tiles + pos / kTile) * kHeadDim / 4 + d / 4) * kTile + pos % kTile) * 4 + d % 4] =
                 static_cast<uint8_t>(head_row[d] + 128);
           }
-        } else {
-          float* tile = kt.data() + (h * key_tiles + pos / kTile) * kHeadDim * kTile + pos % kTile;
-          for (int d = 0; d < kHeadDim; ++d) tile[d * kTile] = to_float(head_row[d]);
+          k_scales[h * padded + pos] = kv_row_scale(head_row, kHeadDim);
         }
-        if constexpr (kInt8Cache) k_scales[h * padded + pos] = kv_row_scale(head_row, kHeadDim);
       }
-    }
-  });
+    });
+  } else {
+    pack_key_tiles<kTile, kHeadDim>(row_of, k_base, context_len, num_kv_heads, padded, kt.data(), k_scales.data());
+  }
 
   // A (head, query tile) item's cost grows with its tile's last key (causal), so a static split
   // of the items into contiguous runs leaves one thread waiting (~10 % of a 256-token prompt's
@@ -346,9 +367,6 @@ constexpr int64_t kTile8 = 8;    // keys per tile (one ymm of fp32 scores), rows
 constexpr int64_t kQTile8 = 16;  // queries per work item: each K/V tile read from L3 once for 16
 static_assert(kFoldTokens % kTile8 == 0, "a V chunk (ops.h) is whole key tiles");
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 // s[i] lane j = q_i . k_j for 8 query rows (q: [8][kHeadDim] fp32) and a tile of 8 keys of K
 // transposed (dimension d of key j at k[d * 8 + j]), each sum in attend_avx2's order (group_dot8): lane l's
@@ -401,25 +419,11 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   auto row_of = [&](const C* base, int64_t pos) {
     return base + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
   };
-  // K transposed by tiles of 8 keys, each tile's kHeadDim x 8 floats contiguous (streamed in
-  // order as the scores walk the keys): kt[((kv_head * key_tiles + pos / 8) * kHeadDim + d) * 8
-  // + pos % 8]; an int8 cache's codes as floats, their scales in k_scales[kv_head * padded +
-  // pos]; zero past context_len.
+  // K transposed by tiles of 8 keys (pack_key_tiles), zero past context_len.
   constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
-  const int64_t key_tiles = padded / kTile8;
   std::vector<float, Aligned32<float>> kt(static_cast<size_t>(num_kv_heads * kHeadDim * padded), 0.f);
   std::vector<float> k_scales(kInt8Cache ? static_cast<size_t>(num_kv_heads * padded) : 0, 0.f);
-  at::parallel_for(0, context_len, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t pos = begin; pos < end; ++pos) {
-      const C* row = row_of(k_base, pos);
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const C* head_row = row + h * kRow;
-        float* tile = kt.data() + (h * key_tiles + pos / kTile8) * kHeadDim * kTile8 + pos % kTile8;
-        for (int d = 0; d < kHeadDim; ++d) tile[d * kTile8] = to_float(head_row[d]);
-        if constexpr (kInt8Cache) k_scales[h * padded + pos] = kv_row_scale(head_row, kHeadDim);
-      }
-    }
-  });
+  pack_key_tiles<kTile8, kHeadDim>(row_of, k_base, context_len, num_kv_heads, padded, kt.data(), k_scales.data());
 
   // Items (head, query tile) from a shared counter, the costliest tiles first (as prefill_impl).
   const int64_t tiles = (q_len + kQTile8 - 1) / kQTile8, num_items = num_heads * tiles;
