@@ -112,10 +112,10 @@ inline void softmax_rows(float* scores, int64_t n, int64_t rows, float* inv_sum)
 
 namespace pagedllm_vec {
 
-// The x86-64-v3 build's attention pieces on 8 fp32 lanes. The decode kernel
-// (paged_attention.cpp, attend_avx2) and the exact prefill kernel (prefill_attention.cpp,
-// prefill_impl's AVX2 twin) share them, so that on this build too a prefill row is bitwise the decode
-// kernel's for the same token.
+// The x86-64-v3 build's attention pieces on 8 fp32 lanes. The decode kernel (paged_attention.cpp,
+// its AVX2 group_scores and group_accumulate) and the exact prefill kernel (prefill_attention.cpp,
+// prefill_impl's AVX2 twin) share them, so that on this build too a prefill row is bitwise the
+// decode kernel's for the same token.
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {

@@ -91,17 +91,17 @@ constexpr int64_t kSeqsPerThread = 4;
 constexpr int64_t kMinChunksPerThread = 2;
 constexpr int64_t kMinGroupedSplitTokens = 4096;
 
-#if defined(__AVX512F__)
-using pagedllm_vec::exp512;
-using pagedllm_vec::load16;
-using pagedllm_vec::softmax_rows;
-
-// AVX-512 path (used when the build machine has AVX-512F and head_dim is a multiple of 16).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The vector paths: AVX-512 where the build has AVX-512F and head_dim is a multiple of 16 (of 64
+// over an int8 cache), the x86-64-v3 build's AVX2 + FMA on 8 lanes where head_dim is a multiple of
+// 64. Both compute every score, softmax and weighted sum in the same order whatever the work
+// split, and each build's exact prefill kernel (prefill_attention.cpp) computes its rows so too.
 // Per group of up to kMaxGroup query heads sharing a KV head: every K row is loaded once and
-// dotted with all the group's queries, the softmax is exponentiated 16 scores at a time, and
-// every V row is loaded once and accumulated into all the group's outputs. Measured 1.6x
-// faster than the scalar path on a cold cache (bench/README.md), ~1.8x faster again after the
-// sixth round's changes (row-spread prefetch, accumulators kept in registers per block).
+// dotted with all the group's queries, the softmax is exponentiated a vector of scores at a
+// time, and every V row is loaded once and accumulated into all the group's outputs. Measured
+// 1.6x faster than the scalar path on a cold cache (bench/README.md), ~1.8x faster again after
+// the sixth round's changes (row-spread prefetch, accumulators kept in registers per block); the
+// AVX2 build's 1.6-3.4x (docs/benchmarks/avx2-build.md).
 //
 // Three work splits share these pieces (bitwise the same results: every score, sum and
 // accumulation happens in the same order, the weighted sum folded by kFoldTokens chunks, ops.h):
@@ -123,6 +123,33 @@ using pagedllm_vec::softmax_rows;
 
 constexpr int kMaxGroup = 4;
 
+// Calls f(std::integral_constant<int, G>) for the group chunk size G = min(kMaxGroup, left).
+template <typename F>
+inline void with_group(int64_t left, F&& f) {
+  switch (std::min<int64_t>(kMaxGroup, left)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// Pieces of one sequence's attention, for the query heads kv_head_begin * group ..
+// kv_head_end * group - 1 (a KV head range). q: the sequence's first query head; k/v_base: the
+// cache's first element (block 0, KV head 0); start: the first attended position (0, or the
+// sliding window's start); scores: one row of n = context_len - start per query head of the
+// range, indexed by position - start.
+struct HeadRange {
+  int64_t group, kv_head_begin, kv_head_end;
+  int64_t first_head() const { return kv_head_begin * group; }
+  int64_t heads() const { return (kv_head_end - kv_head_begin) * group; }
+};
+#endif  // a vector build
+
+#if defined(__AVX512F__)
+using pagedllm_vec::load16;
+using pagedllm_vec::softmax_rows;
+
 // The lane sums of four vectors, [sum(a0), sum(a1), sum(a2), sum(a3)]: a transpose-and-add tree
 // of 13 shuffles and adds, where four _mm512_reduce_add_ps take 32 (the score loop below was
 // bound by those reductions, bench/README.md "Zen 4 profile").
@@ -139,19 +166,17 @@ inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 
 // Scores of kGroup query heads (consecutive, one KV head's) for `count` token rows of a block:
-// scores[g * n + slot] = scale * q_g . k_slot (a float or bfloat16 cache; group_scores_int8 below
-// takes an int8 one). rows: the KV head's part of the first row; next: the same row of the next
-// block, prefetched `prefetch_bytes` per row. Rows go four at a time (their dot products summed
-// by sum4), the last count % 4 one at a time.
-template <typename T, typename C, int kHeadDim, int kGroup>
-inline void group_scores(const T* q, int64_t q_head_stride, float scale, const C* rows, const C* next,
-                         int64_t count, int64_t token_stride, int64_t prefetch_bytes, float* scores, int64_t n) {
+// scores[g * n + slot] = q_g . k_slot, q_g the scaled query at q + g * kHeadDim (fp32; a float or
+// bfloat16 cache, group_scores_int8 below takes an int8 one). rows: the KV head's part of the
+// first row; next: the same row of the next block, prefetched `prefetch_bytes` per row. Rows go
+// four at a time (their dot products summed by sum4), the last count % 4 one at a time.
+template <typename C, int kHeadDim, int kGroup>
+inline void group_scores(const float* q, const C* rows, const C* next, int64_t count, int64_t token_stride,
+                         int64_t prefetch_bytes, float* scores, int64_t n) {
   constexpr int kChunks = kHeadDim / 16;
   __m512 qv[kGroup][kChunks];
   for (int g = 0; g < kGroup; ++g) {
-    for (int c = 0; c < kChunks; ++c) {
-      qv[g][c] = _mm512_mul_ps(load16(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
-    }
+    for (int c = 0; c < kChunks; ++c) qv[g][c] = _mm512_loadu_ps(q + g * kHeadDim + 16 * c);
   }
   // q_g . k over head_dim as 16 lane partial sums.
   auto dot = [&](int g, const __m512* kv) {
@@ -331,6 +356,7 @@ inline void group_accumulate(const float* p, int64_t n, const C* rows, const C* 
 }
 
 // One head's accumulators for 32 values of a bf16 cache's rows (group_accumulate: the 16 even
+
 // values, then the 16 odd ones) back in order, as the values 0-15 and 16-31.
 inline void interleave_pairs(__m512 even, __m512 odd, __m512& lo, __m512& hi) {
   lo = _mm512_permutex2var_ps(even, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), odd);
@@ -338,60 +364,201 @@ inline void interleave_pairs(__m512 even, __m512 odd, __m512& lo, __m512& hi) {
                               odd);
 }
 
-// Calls f(std::integral_constant<int, G>) for the group chunk size G = min(kMaxGroup, left).
-template <typename F>
-inline void with_group(int64_t left, F&& f) {
-  switch (std::min<int64_t>(kMaxGroup, left)) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
+// acc[i] += part[i] for i < size (the fold of a kFoldTokens chunk's weighted sum into the total).
+inline void fold_into(float* acc, const float* part, int64_t size) {
+  for (int64_t i = 0; i < size; i += 16) _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), _mm512_loadu_ps(part + i)));
+}
+
+// [num_heads, kHeadDim]; a bf16 cache's accumulators back in order by interleave_pairs).
+template <typename T, typename C, int kHeadDim>
+void store_heads(const float* acc, const float* inv_sum, HeadRange r, T* out) {
+  for (int64_t head = 0; head < r.heads(); ++head) {
+    T* o = out + (r.first_head() + head) * kHeadDim;
+    const __m512 inv = _mm512_set1_ps(inv_sum[head]);
+    const float* a = acc + head * kHeadDim;
+    if constexpr (std::is_same_v<C, c10::BFloat16> && kHeadDim % 32 == 0) {
+      for (int c = 0; c < kHeadDim / 16; c += 2) {
+        __m512 lo, hi;
+        interleave_pairs(_mm512_loadu_ps(a + 16 * c), _mm512_loadu_ps(a + 16 * c + 16), lo, hi);
+        pagedllm_vec::store16(o + 16 * c, _mm512_mul_ps(lo, inv));
+        pagedllm_vec::store16(o + 16 * c + 16, _mm512_mul_ps(hi, inv));
+      }
+    } else {
+      for (int c = 0; c < kHeadDim / 16; ++c) pagedllm_vec::store16(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), inv));
+    }
   }
 }
 
-// Pieces of one sequence's attention, for the query heads kv_head_begin * group ..
-// kv_head_end * group - 1 (a KV head range). q: the sequence's first query head; k/v_base: the
-// cache's first element (block 0, KV head 0); start: the first attended position (0, or the
-// sliding window's start); scores: one row of n = context_len - start per query head of the
-// range, indexed by position - start.
-struct HeadRange {
-  int64_t group, kv_head_begin, kv_head_end;
-  int64_t first_head() const { return kv_head_begin * group; }
-  int64_t heads() const { return (kv_head_end - kv_head_begin) * group; }
+// One sequence's attention for a KV head range, in one thread: scores of every position,
+
+#elif defined(__AVX2__) && defined(__FMA__)
+using pagedllm_vec::hsum8;
+using pagedllm_vec::load8;
+using pagedllm_vec::softmax_rows;
+
+// group_scores on 8 lanes: each sum over kHeadDim as 8 lane partial sums (lane l adds dimensions
+// l, l + 8, ...: a multiply, then FMAs in dimension order), added by hsum8: the order
+// prefill_attention.cpp's float_scores8 reproduces. Each 8 values of a row are widened once for
+// the group; the queries are read from L1 (16 registers hold too few of them).
+template <typename C, int kHeadDim, int kGroup>
+inline void group_scores(const float* q, const C* rows, const C* next, int64_t count, int64_t token_stride,
+                         int64_t prefetch_bytes, float* scores, int64_t n) {
+  for (int64_t slot = 0; slot < count; ++slot) {
+    prefetch_row(next + slot * token_stride, prefetch_bytes);
+    const C* k = rows + slot * token_stride;
+    __m256 acc[kGroup];
+    const __m256 k0 = load8(k);
+#pragma GCC unroll 4
+    for (int g = 0; g < kGroup; ++g) acc[g] = _mm256_mul_ps(_mm256_loadu_ps(q + g * kHeadDim), k0);
+#pragma GCC unroll 32
+    for (int c = 1; c < kHeadDim / 8; ++c) {
+      const __m256 kc = load8(k + 8 * c);
+#pragma GCC unroll 4
+      for (int g = 0; g < kGroup; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * kHeadDim + 8 * c), kc, acc[g]);
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < kGroup; ++g) scores[g * n + slot] = hsum8(acc[g]);
+  }
+}
+
+constexpr int32_t kKeyOffset = 0;  // the codes are multiplied as signed int8 (no VNNI bias)
+
+// The integer dot product of two rows of int8 codes (exact in int32, so in any order).
+template <int kHeadDim>
+inline int32_t dot_int8(const int8_t* q, const int8_t* k) {
+  __m256i acc = _mm256_setzero_si256();
+  for (int d = 0; d < kHeadDim; d += 16) {
+    const __m256i qw = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + d)));
+    const __m256i kw = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + d)));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(qw, kw));
+  }
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+  int32_t sum = 0;
+  for (int32_t lane : lanes) sum += lane;
+  return sum;
+}
+
+// group_scores over an int8 cache (the AVX-512 group_scores_int8's arguments): integer dot
+// products of the rounded queries' codes, score = float(sum) * (q_scale * k_scale).
+template <int kHeadDim, int kGroup>
+inline void group_scores_int8(const int8_t* q, int64_t q_row, const int32_t* q_offset, const int8_t* rows,
+                              const int8_t* next, int64_t count, int64_t token_stride, int64_t prefetch_bytes,
+                              float* scores, int64_t n) {
+  for (int64_t slot = 0; slot < count; ++slot) {
+    prefetch_row(next + slot * token_stride, prefetch_bytes);
+    const int8_t* k = rows + slot * token_stride;
+    const float k_scale = kv_row_scale(k, kHeadDim);
+    for (int g = 0; g < kGroup; ++g) {
+      const int8_t* qg = q + g * q_row;
+      scores[g * n + slot] = static_cast<float>(dot_int8<kHeadDim>(qg, k) - q_offset[g]) *
+                             (kv_row_scale(qg, kHeadDim) * k_scale);
+    }
+  }
+}
+
+// group_accumulate on 8 lanes: for each head, 64 values at a time held in registers over the
+// block's rows, one FMA per product in row order.
+template <typename C, int kHeadDim, int kGroup>
+inline void group_accumulate(const float* p, int64_t n, const C* rows, const C* next, int64_t count,
+                             int64_t token_stride, int64_t prefetch_bytes, float* acc) {
+  static_assert(kHeadDim % 64 == 0, "a head's row is held 64 values at a time");
+  for (int g = 0; g < kGroup; ++g) {
+    for (int s0 = 0; s0 < kHeadDim; s0 += 64) {
+      float* a_out = acc + g * kHeadDim + s0;
+      __m256 a[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(a_out + 8 * i);
+      for (int64_t slot = 0; slot < count; ++slot) {
+        const C* v = rows + slot * token_stride;
+        if (g == 0 && s0 == 0) prefetch_row(next + slot * token_stride, prefetch_bytes);
+        const float w = p[g * n + slot];
+        const __m256 pv = _mm256_set1_ps(kv_row_extra<C>() > 0 ? w * kv_row_scale(v, kHeadDim) : w);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(pv, load8(v + s0 + 8 * i), a[i]);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(a_out + 8 * i, a[i]);
+    }
+  }
+}
+
+// acc[i] += part[i] for i < size (the fold of a kFoldTokens chunk's weighted sum into the total).
+inline void fold_into(float* acc, const float* part, int64_t size) {
+  for (int64_t i = 0; i < size; i += 8) _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_loadu_ps(part + i)));
+}
+
+// out[head] = acc[head] * inv_sum[head] for the range's heads (out: the sequence's output row
+// [num_heads, kHeadDim]).
+template <typename T, typename C, int kHeadDim>
+void store_heads(const float* acc, const float* inv_sum, HeadRange r, T* out) {
+  for (int64_t head = 0; head < r.heads(); ++head) {
+    T* o = out + (r.first_head() + head) * kHeadDim;
+    for (int d = 0; d < kHeadDim; ++d) o[d] = static_cast<T>(acc[head * kHeadDim + d] * inv_sum[head]);
+  }
+}
+#endif  // __AVX512F__, or AVX2 + FMA
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Whether this build scores an int8 cache with integer dot products (AVX-512 reads its rows as
+// whole zmm of 64 codes, which needs AVX512BW).
+#if defined(__AVX512F__) && !defined(__AVX512BW__)
+constexpr bool kInt8Scores = false;
+#else
+constexpr bool kInt8Scores = true;
+#endif
+
+// One thread's scratch for a KV head range's `heads` query heads (attend, split_context_attention):
+// q_f the scaled queries (heads rows of head_dim floats); over an int8 cache q8 the queries
+// rounded as cache rows (head_dim + 4 bytes each) and q_offset kKeyOffset times each one's code
+// sum; acc and part the weighted sums (heads * head_dim floats each); inv_sum 1 / each
+// softmax sum; scores one row of n positions per head (left empty where they are shared).
+struct AttendScratch {
+  std::vector<float> q_f, acc, part, inv_sum, scores;
+  std::vector<int8_t> q8;
+  std::vector<int32_t> q_offset;
+  void resize(int64_t heads, int64_t head_dim, int64_t n) {
+    q_f.resize(heads * head_dim);
+    acc.resize(heads * head_dim);
+    part.resize(heads * head_dim);
+    inv_sum.resize(heads);
+    scores.resize(heads * n);
+    q8.resize(heads * (head_dim + kKvScaleBytes));
+    q_offset.resize(heads);
+  }
 };
 
-// Over an int8 cache each query head is rounded as a cache row: q8 gets (heads) rows of
-// kHeadDim + 4 bytes (quantize_kv_row of q * scale), q_offset kKeyOffset times each row's code sum.
-template <typename T, int kHeadDim>
-void round_queries(const T* q, int64_t q_head_stride, HeadRange r, float scale, int8_t* q8, int32_t* q_offset) {
-#if defined(__AVX512BW__)
+// The range's query heads scaled, q * scale, into s.q_f; over an int8 cache also rounded as a
+// cache row is (quantize_kv_row; as llama.cpp rounds its queries to Q8_0 for a Q8_0 K cache)
+// into s.q8, with s.q_offset.
+template <typename T, typename C, int kHeadDim>
+void prepare_queries(const T* q, int64_t q_head_stride, HeadRange r, float scale, AttendScratch& s) {
   constexpr int64_t kQ8Row = kHeadDim + kKvScaleBytes;
   for (int64_t head = 0; head < r.heads(); ++head) {
     const T* src = q + (r.first_head() + head) * q_head_stride;
-    float x[kHeadDim];
+    float* x = s.q_f.data() + head * kHeadDim;
     for (int d = 0; d < kHeadDim; ++d) x[d] = to_float(src[d]) * scale;
-    int8_t* row = q8 + head * kQ8Row;
-    quantize_kv_row(row, x, kHeadDim);
-    int32_t sum = 0;
-    for (int d = 0; d < kHeadDim; ++d) sum += row[d];
-    q_offset[head] = kKeyOffset * sum;
+    if constexpr (std::is_same_v<C, int8_t>) {
+      int8_t* row = s.q8.data() + head * kQ8Row;
+      quantize_kv_row(row, x, kHeadDim);
+      int32_t sum = 0;
+      for (int d = 0; d < kHeadDim; ++d) sum += row[d];
+      s.q_offset[head] = kKeyOffset * sum;
+    }
   }
-#else
-  (void)q, (void)q_head_stride, (void)r, (void)scale, (void)q8, (void)q_offset;
-#endif
 }
 
 // The scores of positions begin .. end - 1 (scores[head * n + position - start]), every KV head
 // of the range read block by block (an item of one KV head reads its part of each row; of them
-// all, whole blocks). Each KV head's rows prefetch that head's part of the next block's rows, so
-// the prefetches are spread over the whole block's work: the first head prefetching the next
-// block's whole span issued them in a burst, measured 1.15x slower with 8 KV heads of 128 at
-// batch 16-64 and the reason splitting a grouped-query context cost 1.2x (bench/README.md,
-// "Decode attention: prefetches spread over a block's KV heads").
-template <typename T, typename C, int kHeadDim>
-void scores_range(const T* q, int64_t q_head_stride, const C* k_base, const int64_t* table, int64_t start,
-                  int64_t begin, int64_t end, int64_t block_size, int64_t block_stride, int64_t token_stride,
-                  HeadRange r, float scale, const int8_t* q8, const int32_t* q_offset, float* scores, int64_t n) {
+// all, whole blocks); s: prepare_queries' output. Each KV head's rows prefetch that head's part
+// of the next block's rows, so the prefetches are spread over the whole block's work: the first
+// head prefetching the next block's whole span issued them in a burst, measured 1.15x slower
+// with 8 KV heads of 128 at batch 16-64 and the reason splitting a grouped-query context cost
+// 1.2x (bench/README.md, "Decode attention: prefetches spread over a block's KV heads").
+template <typename C, int kHeadDim>
+void scores_range(const AttendScratch& s, const C* k_base, const int64_t* table, int64_t start, int64_t begin,
+                  int64_t end, int64_t block_size, int64_t block_stride, int64_t token_stride, HeadRange r,
+                  float* scores, int64_t n) {
   constexpr int64_t kRow = kHeadDim + kv_row_extra<C>();  // cache elements per KV head row
   constexpr int64_t kQ8Row = kHeadDim + kKvScaleBytes;
   const int64_t head_bytes = kRow * static_cast<int64_t>(sizeof(C));
@@ -404,18 +571,16 @@ void scores_range(const T* q, int64_t q_head_stride, const C* k_base, const int6
         const int64_t head = h * group + g0;
         const int64_t prefetch = g0 == 0 ? head_bytes : 0;
         with_group(group - g0, [&](auto size) {
-#if defined(__AVX512BW__)
+          constexpr int kGroup = decltype(size)::value;
           if constexpr (std::is_same_v<C, int8_t>) {
-            group_scores_int8<kHeadDim, decltype(size)::value>(q8 + head * kQ8Row, kQ8Row, q_offset + head,
-                                                               block + h * kRow, next + h * kRow, count,
-                                                               token_stride, prefetch, scores + head * n + first, n);
-            return;
-          }
-#endif
-          if constexpr (!std::is_same_v<C, int8_t>) {
-            group_scores<T, C, kHeadDim, decltype(size)::value>(
-                q + (r.first_head() + head) * q_head_stride, q_head_stride, scale, block + h * kRow, next + h * kRow,
-                count, token_stride, prefetch, scores + head * n + first, n);
+            if constexpr (kInt8Scores) {
+              group_scores_int8<kHeadDim, kGroup>(s.q8.data() + head * kQ8Row, kQ8Row, s.q_offset.data() + head,
+                                                  block + h * kRow, next + h * kRow, count, token_stride, prefetch,
+                                                  scores + head * n + first, n);
+            }
+          } else {
+            group_scores<C, kHeadDim, kGroup>(s.q_f.data() + head * kHeadDim, block + h * kRow, next + h * kRow,
+                                              count, token_stride, prefetch, scores + head * n + first, n);
           }
         });
       }
@@ -447,12 +612,6 @@ void accumulate_range(const C* v_base, const int64_t* table, int64_t start, int6
     }
   });
 }
-
-// acc[i] += part[i] for i < size (the fold of a kFoldTokens chunk's weighted sum into the total).
-inline void fold_into(float* acc, const float* part, int64_t size) {
-  for (int64_t i = 0; i < size; i += 16) _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), _mm512_loadu_ps(part + i)));
-}
-
 // The weighted sum of positions begin .. end - 1 into acc (heads * kHeadDim floats), kFoldTokens
 // positions (counted from start) at a time: the first chunk's sum accumulates in acc (zeroed
 // here), each later chunk's in part (zeroed per chunk), then is added to acc.
@@ -471,44 +630,21 @@ void weighted_sum(const C* v_base, const int64_t* table, int64_t start, int64_t 
     if (c != begin) fold_into(acc, part, size);
   }
 }
-
-// out[head] = acc[head] * inv_sum[head] for the range's heads (out: the sequence's output row
-// [num_heads, kHeadDim]; a bf16 cache's accumulators back in order by interleave_pairs).
-template <typename T, typename C, int kHeadDim>
-void store_heads(const float* acc, const float* inv_sum, HeadRange r, T* out) {
-  for (int64_t head = 0; head < r.heads(); ++head) {
-    T* o = out + (r.first_head() + head) * kHeadDim;
-    const __m512 inv = _mm512_set1_ps(inv_sum[head]);
-    const float* a = acc + head * kHeadDim;
-    if constexpr (std::is_same_v<C, c10::BFloat16> && kHeadDim % 32 == 0) {
-      for (int c = 0; c < kHeadDim / 16; c += 2) {
-        __m512 lo, hi;
-        interleave_pairs(_mm512_loadu_ps(a + 16 * c), _mm512_loadu_ps(a + 16 * c + 16), lo, hi);
-        pagedllm_vec::store16(o + 16 * c, _mm512_mul_ps(lo, inv));
-        pagedllm_vec::store16(o + 16 * c + 16, _mm512_mul_ps(hi, inv));
-      }
-    } else {
-      for (int c = 0; c < kHeadDim / 16; ++c) pagedllm_vec::store16(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), inv));
-    }
-  }
-}
-
 // One sequence's attention for a KV head range, in one thread: scores of every position,
-// softmax_rows, the weighted sum in kFoldTokens chunks, the output. scores: (heads) * n floats;
-// acc and part: (heads) * kHeadDim each; inv_sum: (heads); q8 / q_offset: round_queries' scratch.
+// softmax_rows, the weighted sum in kFoldTokens chunks, the output (s: sized for the range's
+// heads and context_len - start positions).
 template <typename T, typename C, int kHeadDim>
-void attend_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* v_base, const int64_t* table,
-                   int64_t start, int64_t context_len, int64_t block_size, int64_t block_stride,
-                   int64_t token_stride, HeadRange r, float scale, float* scores, float* acc, float* part,
-                   float* inv_sum, int8_t* q8, int32_t* q_offset, T* out) {
+void attend(const T* q, int64_t q_head_stride, const C* k_base, const C* v_base, const int64_t* table,
+            int64_t start, int64_t context_len, int64_t block_size, int64_t block_stride, int64_t token_stride,
+            HeadRange r, float scale, AttendScratch& s, T* out) {
   const int64_t n = context_len - start;
-  if constexpr (std::is_same_v<C, int8_t>) round_queries<T, kHeadDim>(q, q_head_stride, r, scale, q8, q_offset);
-  scores_range<T, C, kHeadDim>(q, q_head_stride, k_base, table, start, start, context_len, block_size, block_stride,
-                               token_stride, r, scale, q8, q_offset, scores, n);
-  softmax_rows(scores, n, r.heads(), inv_sum);
-  weighted_sum<C, kHeadDim>(v_base, table, start, start, context_len, block_size, block_stride, token_stride, r, scores,
-                            n, acc, part);
-  store_heads<T, C, kHeadDim>(acc, inv_sum, r, out);
+  prepare_queries<T, C, kHeadDim>(q, q_head_stride, r, scale, s);
+  scores_range<C, kHeadDim>(s, k_base, table, start, start, context_len, block_size, block_stride, token_stride, r,
+                            s.scores.data(), n);
+  softmax_rows(s.scores.data(), n, r.heads(), s.inv_sum.data());
+  weighted_sum<C, kHeadDim>(v_base, table, start, start, context_len, block_size, block_stride, token_stride, r,
+                            s.scores.data(), n, s.acc.data(), s.part.data());
+  store_heads<T, C, kHeadDim>(s.acc.data(), s.inv_sum.data(), r, out);
 }
 
 // A few long sequences (a batch-1 decode at 1k-32k tokens): each sequence's positions are cut
@@ -519,7 +655,7 @@ void attend_avx512(const T* q, int64_t q_head_stride, const C* k_base, const C* 
 // phases in one OpenMP region, a barrier apart: the scores of each run; softmax_rows per query
 // head; the weighted sum of each run (the first run's chunks folded into the total as
 // weighted_sum folds them, a later run's chunks each kept apart); the later chunks folded in
-// order and the output stored. Every score, softmax and chunk sum is computed as attend_avx512
+// order and the output stored. Every score, softmax and chunk sum is computed as attend
 // computes it, and the chunks are folded in the same order: bitwise the same result whatever
 // the number of threads.
 template <typename T, typename C, int kHeadDim>
@@ -551,17 +687,15 @@ void split_context_attention(T* out_base, const T* q_base, int64_t q_seq_stride,
 #pragma omp parallel num_threads(static_cast<int>(slices))
   {
     const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
-    std::vector<int8_t> q8(std::is_same_v<C, int8_t> ? heads * (kHeadDim + kKvScaleBytes) : 0);
-    std::vector<int32_t> q_offset(std::is_same_v<C, int8_t> ? heads : 0);
-    std::vector<float> part(row);
+    AttendScratch s;
+    s.resize(heads, kHeadDim, 0);
     for (int64_t item = tid; item < items; item += team) {
-      const int64_t seq = item / slices, s = item % slices;
+      const int64_t seq = item / slices, run = item % slices;
       const T* q = q_base + seq * q_seq_stride;
-      if constexpr (std::is_same_v<C, int8_t>) round_queries<T, kHeadDim>(q, q_head_stride, all, scale, q8.data(), q_offset.data());
-      scores_range<T, C, kHeadDim>(q, q_head_stride, k_base, tables + seq * max_blocks, starts[seq],
-                                   position(seq, first_chunk(seq, s)), position(seq, first_chunk(seq, s + 1)),
-                                   block_size, block_stride, token_stride, all, scale, q8.data(), q_offset.data(),
-                                   scores.get() + score_at[seq], lens[seq] - starts[seq]);
+      prepare_queries<T, C, kHeadDim>(q, q_head_stride, all, scale, s);
+      scores_range<C, kHeadDim>(s, k_base, tables + seq * max_blocks, starts[seq], position(seq, first_chunk(seq, run)),
+                                position(seq, first_chunk(seq, run + 1)), block_size, block_stride, token_stride, all,
+                                scores.get() + score_at[seq], lens[seq] - starts[seq]);
     }
 #pragma omp barrier
     for (int64_t r = tid; r < num_seqs * heads; r += team) {
@@ -570,16 +704,16 @@ void split_context_attention(T* out_base, const T* q_base, int64_t q_seq_stride,
     }
 #pragma omp barrier
     for (int64_t item = tid; item < items; item += team) {
-      const int64_t seq = item / slices, s = item % slices, n = lens[seq] - starts[seq];
+      const int64_t seq = item / slices, run = item % slices, n = lens[seq] - starts[seq];
       const int64_t* table = tables + seq * max_blocks;
       const float* weights = scores.get() + score_at[seq];
-      if (s == 0) {
+      if (run == 0) {
         weighted_sum<C, kHeadDim>(v_base, table, starts[seq], starts[seq], position(seq, first_chunk(seq, 1)),
                                   block_size, block_stride, token_stride, all, weights, n,
-                                  totals.get() + seq * row, part.data());
+                                  totals.get() + seq * row, s.part.data());
         continue;
       }
-      for (int64_t c = first_chunk(seq, s); c < first_chunk(seq, s + 1); ++c) {
+      for (int64_t c = first_chunk(seq, run); c < first_chunk(seq, run + 1); ++c) {
         float* into = partials.get() + (chunk_at[seq] + c) * row;
         std::fill(into, into + row, 0.f);
         accumulate_range<C, kHeadDim>(v_base, table, starts[seq], position(seq, c), position(seq, c + 1), block_size,
@@ -598,138 +732,7 @@ void split_context_attention(T* out_base, const T* q_base, int64_t q_seq_stride,
     }
   }
 }
-#endif  // __AVX512F__
-
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-using pagedllm_vec::hsum8;
-using pagedllm_vec::load8;
-
-// scores[g * n] = q_g . k for kGroup query heads (q_g at q + g * kHeadDim, fp32) and one K row:
-// each sum over kHeadDim as 8 lane partial sums (lane l adds dimensions l, l + 8, ...: a
-// multiply, then FMAs in dimension order), added by hsum8: the order prefill_attention.cpp's
-// float_scores8 reproduces. Each 8 values of the row are widened once for the group.
-template <typename C, int kHeadDim, int kGroup>
-inline void group_dot8(const float* q, const C* k, float* scores, int64_t n) {
-  __m256 acc[kGroup];
-  const __m256 k0 = load8(k);
-#pragma GCC unroll 4
-  for (int g = 0; g < kGroup; ++g) acc[g] = _mm256_mul_ps(_mm256_loadu_ps(q + g * kHeadDim), k0);
-#pragma GCC unroll 32
-  for (int c = 1; c < kHeadDim / 8; ++c) {
-    const __m256 kc = load8(k + 8 * c);
-#pragma GCC unroll 4
-    for (int g = 0; g < kGroup; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * kHeadDim + 8 * c), kc, acc[g]);
-  }
-#pragma GCC unroll 4
-  for (int g = 0; g < kGroup; ++g) scores[g * n] = hsum8(acc[g]);
-}
-
-// The integer dot product of two rows of int8 codes (exact in int32, so in any order).
-template <int kHeadDim>
-inline int32_t dot_int8(const int8_t* q, const int8_t* k) {
-  __m256i acc = _mm256_setzero_si256();
-  for (int d = 0; d < kHeadDim; d += 16) {
-    const __m256i qw = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + d)));
-    const __m256i kw = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + d)));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(qw, kw));
-  }
-  alignas(32) int32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
-  int32_t sum = 0;
-  for (int32_t lane : lanes) sum += lane;
-  return sum;
-}
-
-// The x86-64-v3 build's decode kernel: one sequence's attention for the `group` query heads of
-// one KV head (q: the first of them, head_dim contiguous, q_head_stride apart; out: their
-// output rows, contiguous). Each K row is read once for the group: scores by group_dot8 (over an
-// int8 cache, the query rounded as a cache row and integer dot products, as the AVX-512
-// kernel's); softmax_rows; the weighted sum of V in position order with one FMA per product,
-// kFoldTokens positions at a time (ops.h), 64 values of a head held in registers over a block.
-// prefill_attention.cpp's AVX2 prefill_impl computes each of its rows as this does.
-// Scratch: q_f group * kHeadDim floats, q8 group * (kHeadDim + 4) bytes, scores group * n,
-// acc and part group * kHeadDim each, inv_sum group.
-template <typename T, typename C, int kHeadDim>
-void attend_avx2(const T* q, int64_t q_head_stride, const C* k_head, const C* v_head, const int64_t* table,
-                 int64_t start, int64_t context_len, int64_t block_size, int64_t block_stride, int64_t token_stride,
-                 int64_t group, float scale, float* q_f, int8_t* q8, float* scores, float* acc, float* part,
-                 float* inv_sum, T* out) {
-  static_assert(kHeadDim % 64 == 0, "a head's row is held 64 values at a time");
-  constexpr bool kInt8Cache = std::is_same_v<C, int8_t>;
-  constexpr int64_t kRowBytes = (kHeadDim + kv_row_extra<C>()) * static_cast<int64_t>(sizeof(C));
-  constexpr int64_t kQ8Row = kHeadDim + kKvScaleBytes;
-  const int64_t n = context_len - start;
-  for (int64_t g = 0; g < group; ++g) {
-    float* qf = q_f + g * kHeadDim;
-    for (int d = 0; d < kHeadDim; ++d) qf[d] = to_float(q[g * q_head_stride + d]) * scale;
-    if constexpr (kInt8Cache) quantize_kv_row(q8 + g * kQ8Row, qf, kHeadDim);
-  }
-  for_each_cached_block(k_head, table, start, context_len, block_size, block_stride, token_stride,
-                        [&](const C* block, const C* next, int64_t first, int64_t count) {
-    for (int64_t slot = 0; slot < count; ++slot) {
-      prefetch_row(next + slot * token_stride, kRowBytes);
-      const C* k = block + slot * token_stride;
-      if constexpr (kInt8Cache) {
-        for (int64_t g = 0; g < group; ++g) {
-          const int8_t* qc = q8 + g * kQ8Row;
-          scores[g * n + first + slot] = static_cast<float>(dot_int8<kHeadDim>(qc, k)) *
-                                         (kv_row_scale(qc, kHeadDim) * kv_row_scale(k, kHeadDim));
-        }
-      } else {
-        for (int64_t g = 0; g < group; g += 4) {
-          const float* qg = q_f + g * kHeadDim;
-          float* sg = scores + g * n + first + slot;
-          switch (std::min<int64_t>(4, group - g)) {
-            case 1: group_dot8<C, kHeadDim, 1>(qg, k, sg, n); break;
-            case 2: group_dot8<C, kHeadDim, 2>(qg, k, sg, n); break;
-            case 3: group_dot8<C, kHeadDim, 3>(qg, k, sg, n); break;
-            default: group_dot8<C, kHeadDim, 4>(qg, k, sg, n); break;
-          }
-        }
-      }
-    }
-  });
-  pagedllm_vec::softmax_rows(scores, n, group, inv_sum);
-
-  const int64_t size = group * kHeadDim;
-  std::fill(acc, acc + size, 0.f);
-  for (int64_t c = start; c < context_len; c += kFoldTokens) {
-    const int64_t c_end = std::min(context_len, c + kFoldTokens);
-    float* into = c == start ? acc : part;
-    if (c != start) std::fill(part, part + size, 0.f);
-    for_each_cached_block(v_head, table, c, c_end, block_size, block_stride, token_stride,
-                          [&](const C* block, const C* next, int64_t first, int64_t count) {
-      first += c - start;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* w = scores + g * n + first;
-        for (int s0 = 0; s0 < kHeadDim; s0 += 64) {
-          float* a_out = into + g * kHeadDim + s0;
-          __m256 a[8];
-#pragma GCC unroll 8
-          for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(a_out + 8 * i);
-          for (int64_t slot = 0; slot < count; ++slot) {
-            const C* v = block + slot * token_stride;
-            if (g == 0 && s0 == 0) prefetch_row(next + slot * token_stride, kRowBytes);
-            const __m256 p = _mm256_set1_ps(kInt8Cache ? w[slot] * kv_row_scale(v, kHeadDim) : w[slot]);
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(p, load8(v + s0 + 8 * i), a[i]);
-          }
-#pragma GCC unroll 8
-          for (int i = 0; i < 8; ++i) _mm256_storeu_ps(a_out + 8 * i, a[i]);
-        }
-      }
-    });
-    if (c != start) {
-      for (int64_t i = 0; i < size; i += 8) {
-        _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_loadu_ps(part + i)));
-      }
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    for (int d = 0; d < kHeadDim; ++d) out[g * kHeadDim + d] = static_cast<T>(acc[g * kHeadDim + d] * inv_sum[g]);
-  }
-}
-#endif  // AVX2 without AVX-512F
+#endif  // a vector build
 
 // kHeadDim > 0 fixes head_dim at compile time: the per-token loops then unroll fully and a
 // head's q and output accumulator stay in vector registers (measured ~2x on the decode step
@@ -764,6 +767,8 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   constexpr bool kVector = kHeadDim > 0 && kHeadDim % 16 == 0 && (!kInt8Cache || kHeadDim % 64 == 0);
 #elif defined(__AVX512F__)
   constexpr bool kVector = kHeadDim > 0 && kHeadDim % 16 == 0 && !kInt8Cache;
+#elif defined(__AVX2__) && defined(__FMA__)  // V rows are summed 64 values at a time
+  constexpr bool kVector = kHeadDim > 0 && kHeadDim % 64 == 0;
 #else
   constexpr bool kVector = false;
 #endif
@@ -783,11 +788,11 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
     }
   }
   const int64_t threads = at::get_num_threads();
-  // Whole sequences per item once there are kSeqsPerThread of them per thread (see the AVX-512
-  // section); fewer sequences, each long enough, split by context; otherwise one item per KV
-  // head. The AVX2 and generic paths always take one KV head per item.
+  // Whole sequences per item once there are kSeqsPerThread of them per thread (see the vector
+  // paths' section); fewer sequences, each long enough, split by context; otherwise one item per
+  // KV head. The generic path always takes one KV head per item.
   const bool whole_seqs = kVector && num_seqs >= kSeqsPerThread * threads;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if constexpr (kVector) {
     const bool long_enough = min_n > (kMinChunksPerThread * threads - 1) * kFoldTokens &&
                              (group == 1 || min_n >= kMinGroupedSplitTokens);
@@ -805,8 +810,10 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
     std::vector<float> q_f(head_dim);
     std::vector<float> acc(head_dim);
     std::vector<float> scores;
-    std::vector<int8_t> q8;         // int8 cache: the rounded query heads (quantize_kv_row)
-    std::vector<int32_t> q_offset;  // and kKeyOffset times each one's code sum
+    std::vector<int8_t> q8;  // int8 cache: the rounded query head (quantize_kv_row)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    AttendScratch scratch;
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / items_per_seq;
       const int64_t kv_head = (item % items_per_seq) * heads_per_item;
@@ -814,35 +821,13 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
       const int64_t* table = tables + seq * max_blocks;
       const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, context_len - sliding_window) : 0;
       const int64_t n = context_len - start;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
       if constexpr (kVector) {
-        const int64_t heads = heads_per_item * group;
-        scores.resize(heads * n);
-        acc.resize(2 * heads * kHeadDim + heads);  // accumulators, a chunk's, then 1 / sum per head
-        if constexpr (kInt8Cache) {
-          q8.resize(heads * (kHeadDim + kKvScaleBytes));
-          q_offset.resize(heads);
-        }
-        attend_avx512<T, C, kHeadDim>(q_base + seq * q_seq_stride, q_head_stride, k_base, v_base, table, start,
-                                      context_len, block_size, block_stride, token_stride,
-                                      HeadRange{group, kv_head, kv_head + heads_per_item}, scale, scores.data(),
-                                      acc.data(), acc.data() + heads * kHeadDim, acc.data() + 2 * heads * kHeadDim,
-                                      q8.data(), q_offset.data(), out_base + seq * num_heads * head_dim);
-        continue;
-      }
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-      if constexpr (kHeadDim > 0 && kHeadDim % 64 == 0) {
-        scores.resize(group * n);
-        q_f.resize(group * head_dim);
-        acc.resize(2 * group * head_dim + group);  // accumulators, a chunk's, then 1 / sum per head
-        q8.resize(group * (head_dim + kKvScaleBytes));
-        attend_avx2<T, C, kHeadDim>(q_base + seq * q_seq_stride + kv_head * group * q_head_stride, q_head_stride,
-                                    k_base + kv_head * row_len, v_base + kv_head * row_len, table, start,
-                                    context_len, block_size, block_stride, token_stride, group, scale, q_f.data(),
-                                    q8.data(), scores.data(), acc.data(), acc.data() + group * head_dim,
-                                    acc.data() + 2 * group * head_dim,
-                                    out_base + (seq * num_heads + kv_head * group) * head_dim);
+        scratch.resize(heads_per_item * group, kHeadDim, n);
+        attend<T, C, kHeadDim>(q_base + seq * q_seq_stride, q_head_stride, k_base, v_base, table, start, context_len,
+                               block_size, block_stride, token_stride,
+                               HeadRange{group, kv_head, kv_head + heads_per_item}, scale, scratch,
+                               out_base + seq * num_heads * head_dim);
         continue;
       }
 #endif

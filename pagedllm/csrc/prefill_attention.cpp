@@ -346,7 +346,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
 
 #elif defined(__AVX2__) && defined(__FMA__)
 // The x86-64-v3 build's twin of prefill_impl on 8 fp32 lanes: tiles of 8 queries and 8 keys,
-// each row bitwise what the decode kernel (paged_attention.cpp, attend_avx2) gives its token.
+// each row bitwise what the decode kernel (paged_attention.cpp, attend) gives its token.
 using pagedllm_vec::load8;
 using pagedllm_vec::softmax_rows;
 
@@ -369,9 +369,9 @@ static_assert(kFoldTokens % kTile8 == 0, "a V chunk (ops.h) is whole key tiles")
 
 
 // s[i] lane j = q_i . k_j for 8 query rows (q: [8][kHeadDim] fp32) and a tile of 8 keys of K
-// transposed (dimension d of key j at k[d * 8 + j]), each sum in attend_avx2's order (group_dot8): lane l's
-// partial sum adds dimensions l, l + 8, ... (a multiply, then FMAs), and the 8 partial sums are
-// added as hsum8 adds them: (l, l + 4), then (l, l + 2), then (0, 1). Here each lane's partial
+// transposed (dimension d of key j at k[d * 8 + j]), each sum in the decode kernel's order (its
+// AVX2 group_scores): lane l's partial sum adds dimensions l, l + 8, ... (a multiply, then FMAs),
+// and the 8 partial sums are added as hsum8 adds them: (l, l + 4), then (l, l + 2), then (0, 1). Here each lane's partial
 // sums are a vector over the 8 keys, so that tree is vertical adds. Over an int8 cache q and k
 // hold codes: every partial sum is an integer below 2^24, exact, so the score equals the
 // decode kernel's integer dot product.
