@@ -5,7 +5,9 @@ tiny random llama of conftest (no tokenizer: prompts are token ids)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import threading
 import time
 
 import httpx
@@ -13,7 +15,7 @@ import openai
 import pytest
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.async_engine import AsyncLLMEngine, QueueFullError
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import make_tiny_engine, run_to_completion
 from tests.test_server import (MODEL, InThreadServer, failing_at_step, idle, scrape, slowed, smollm2_tokenizer,
@@ -42,6 +44,93 @@ def test_full_waiting_queue_answers_429_with_retry_after():
             stream.close()
         wait_for_metrics(server.url, lambda v: idle(v) and v[ABORT] == 3)
         assert client.completions.create(model=MODEL, prompt=[1], max_tokens=2).usage.completion_tokens == 2
+
+
+def gated(engine):
+    """The engine and a ``threading.Event``: while the event is clear, the engine thread's next
+    step waits for it, so that requests sent meanwhile wait for the engine to take them (its
+    commands are taken between steps) and are then taken together, as a burst is."""
+    gate = threading.Event()
+    gate.set()
+    step = engine.step
+
+    def gated_step():
+        gate.wait()
+        return step()
+    engine.step = gated_step
+    return engine, gate
+
+
+def hold_engine(server: InThreadServer, gate: threading.Event) -> None:
+    """With one request running: clear the gate and wait until the engine thread waits at it."""
+    gate.clear()
+    iteration = scrape(server.url)["pagedllm:iteration_tokens_total_count"]
+    time.sleep(0.3)  # a step already past the gate ends; the next one waits
+    assert scrape(server.url)["pagedllm:iteration_tokens_total_count"] <= iteration + 1
+
+
+def test_waiting_limit_counts_sequences_beyond_the_free_seats():
+    """Found by a fresh user: ``--max-waiting-requests`` refused a burst on a server with free
+    seats (max_num_seqs 4, limit 4: 4 of 8 refused). Requests the next step starts on free
+    seats do not wait for capacity: with max_num_seqs 3, one running and a limit of 1, a burst
+    taken in one go fills the 2 free seats and the one waiting place (an n=2 request counts
+    2), and only the last is refused (QueueFullError, the server's 429)."""
+    engine, gate = gated(make_tiny_engine(max_num_seqs=3))
+    engine = AsyncLLMEngine(engine, max_waiting_requests=1)
+    engine.start()
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def burst() -> list:
+        running = await engine.add_request("running", [1, 2, 3], params)
+        await running.__anext__()
+        gate.clear()
+        await asyncio.sleep(0.3)  # the step past the gate ends; the engine thread waits at the next
+        # Queued together (the engine thread takes them in order between two steps).
+        adds = [engine.add_request("pair", [4, 5], SamplingParams(n=2, max_tokens=100, ignore_eos=True))]
+        adds += [engine.add_request(f"single-{i}", [6, i], params) for i in range(2)]
+        tasks = [asyncio.ensure_future(add) for add in adds]
+        await asyncio.sleep(0.3)
+        gate.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in [running, *results]:
+            if not isinstance(stream, BaseException):
+                stream.close()
+        return results
+
+    try:
+        pair, first, second = asyncio.run(burst())
+    finally:
+        engine.shutdown()
+    assert not isinstance(pair, BaseException) and not isinstance(first, BaseException)
+    assert isinstance(second, QueueFullError)
+    assert str(second) == ("1 sequences are waiting beyond the free seats of max_num_seqs and "
+                           "max_waiting_requests is 1: retry later")
+
+
+def test_cancel_finds_a_request_the_engine_has_not_taken_yet():
+    """Found by a fresh user: ``POST /v1/requests/{id}/cancel`` answered 404 for a request
+    sent during a long step (the engine takes new requests between steps), which then ran to
+    its end. It is in the registry from its admission: the cancel answers 200 and the
+    request ends with "abort" once the engine takes it."""
+    engine, gate = gated(make_tiny_engine())
+    with InThreadServer(engine) as server:
+        client = openai_client(server)
+        running = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=100, stream=True,
+                                            extra_body=dict(ignore_eos=True))
+        next(iter(running))
+        hold_engine(server, gate)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            victim = pool.submit(httpx.post, server.url + "/v1/completions", headers={"X-Request-Id": "victim"},
+                                 json={"prompt": [4, 5, 6], "max_tokens": 40}, timeout=30)
+            time.sleep(0.5)
+            cancelled = httpx.post(server.url + "/v1/requests/victim/cancel", timeout=10)
+            gate.set()
+            response = victim.result()
+        assert cancelled.status_code == 200 and cancelled.json()["cancelled"] == 1
+        assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "abort"
+        assert response.json()["usage"]["completion_tokens"] < 40  # aborted within a step or two of being taken
+        running.close()  # it may have run to its end meanwhile
+        wait_for_metrics(server.url, lambda v: idle(v) and v[ABORT] >= 1)
 
 
 def test_retrieve_model_by_id():

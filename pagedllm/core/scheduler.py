@@ -174,6 +174,15 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_queued_seqs(self) -> int:
+        """The waiting requests' sequences (``1 + pending forks`` each) beyond the seats free now
+        (``max_num_seqs`` less the running sequences): at least this many cannot start in the
+        next step, whatever its token budget and free blocks. O(running + waiting)."""
+        running = sum(1 + len(r.pending_forks) for r in self.running)
+        waiting = sum(1 + len(r.pending_forks) for r in self.waiting)
+        return max(0, waiting - max(0, self.max_num_seqs - running))
+
     def finish_requests(self, request_ids: Iterable[RequestId], status: RequestStatus) -> list[Request]:
         """End requests now (abort): free their blocks and drop them from the queues.
 

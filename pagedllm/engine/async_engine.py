@@ -237,10 +237,13 @@ class AsyncLLMEngine:
             "Serving: one OpenMP team").
         metrics: Prometheus metrics to update after every step (None: no metrics); may be
             set as the attribute until ``start()``, e.g. from ``model_info``.
-        max_waiting_requests: refuse a request (``QueueFullError``) when this many sequences
-            are waiting already (None: no limit). Counted when the engine thread adds the
-            request, so a burst is counted exactly; a request is always accepted when nothing
-            waits, so that an ``n`` above the limit is not refused forever.
+        max_waiting_requests: refuse a request (``QueueFullError``) when its sequences would
+            take the ones waiting beyond the free seats of ``max_num_seqs``
+            (``Scheduler.num_queued_seqs``) past this many (None: no limit): a burst on an
+            idle server of ``max_num_seqs`` + this many sequences is all accepted. Counted
+            when the engine thread adds the request, so a burst is counted exactly; a
+            request is always accepted when no sequence waits beyond the free seats, so that
+            an ``n`` above the limit is not refused forever.
         request_timeout: seconds after arrival at which a request is aborted with
             ``RequestTimeoutError`` (None: never).
         request_log: where finished requests are logged for ``pagedllm plan`` (None: nowhere);
@@ -574,10 +577,10 @@ class AsyncLLMEngine:
     def _add(self, command: _Add) -> None:
         engine = self.engine
         error: Optional[BaseException] = None
-        waiting = self.stats.num_waiting_reqs
-        if self.max_waiting_requests is not None and waiting and waiting + command.params.n > self.max_waiting_requests:
-            error = QueueFullError(f"{waiting} sequences are waiting and max_waiting_requests is "
-                                   f"{self.max_waiting_requests}: retry later")
+        queued = engine.scheduler.num_queued_seqs if self.max_waiting_requests is not None else 0
+        if queued and queued + command.params.n > self.max_waiting_requests:
+            error = QueueFullError(f"{queued} sequences are waiting beyond the free seats of max_num_seqs and "
+                                   f"max_waiting_requests is {self.max_waiting_requests}: retry later")
         else:
             try:
                 engine.add_request(command.engine_request_id, command.prompt, command.params,

@@ -79,7 +79,8 @@ class ServerArgs:
     served_model_name: Optional[list[str]] = _server_option(
         None, "model name(s) clients use; the first is reported (default: the model path)", nargs="+")
     max_waiting_requests: Optional[int] = _server_option(
-        None, "answer 429 when this many sequences wait already (default: no limit)")
+        None, "answer 429 when this many sequences wait beyond the free seats of --max-num-seqs "
+        "(default: no limit)")
     request_timeout: Optional[float] = _server_option(
         None, "abort requests running longer than this many seconds (default: never)")
     max_queue_wait: Optional[float] = _server_option(
