@@ -80,10 +80,19 @@ class Submission:
         self.registry = registry
         self.ids = tuple(dict.fromkeys((context.request_id, response_id)))
         self.closed = False
+        self.cancelled = False
+
+    def add(self, stream: OutputStream) -> None:
+        """One more engine request, aborted at once if the submission was cancelled while it
+        was being added."""
+        self.streams.append(stream)
+        if self.cancelled:
+            stream.abort()
 
     def cancel(self) -> None:
-        """Abort every engine request: each reader gets its final output (finish reason
-        ``"abort"``)."""
+        """Abort every engine request, and those added from now on: each reader gets its final
+        output (finish reason ``"abort"``)."""
+        self.cancelled = True
         for stream in self.streams:
             stream.abort()
 
@@ -329,30 +338,31 @@ class OpenAIServing:
         except RateLimitError as exc:
             headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
             raise OpenAIError(429, str(exc), "RateLimitError", headers=headers) from None
-        response_id = f"{prefix}-{context.request_id}"
-        streams: list[OutputStream] = []
+        # In the registry before the first engine request is added, so that a cancel arriving
+        # while the engine thread has not yet taken them (a step can last seconds) finds it.
+        submission = Submission(context, f"{prefix}-{context.request_id}", [], admission, self.policy.registry)
         try:
             try:
                 self.check_overload(priority)
             except OpenAIError:
                 self.policy.record(context.key_name, "overloaded", 1)
                 raise
+            self.policy.registry.add(submission)
             base = f"{context.key_name}/{uuid.uuid4().hex}"
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{base}-{i}", prompt, params, cache_salt, priority,
+                submission.add(await self.engine.add_request(f"{base}-{i}", prompt, params, cache_salt, priority,
                                                              lora_request=lora_request))
         except BaseException as exc:
-            for stream in streams:
+            for stream in submission.streams:
                 stream.close()
+            self.policy.registry.remove(submission)
             admission.cancel()
             if isinstance(exc, Exception):
                 raise to_openai_error(exc) from exc
             raise
         self.policy.record(context.key_name, "admitted", 1)
-        submission = Submission(context, response_id, streams, admission, self.policy.registry)
-        self.policy.registry.add(submission)
         logger.info("request %s (X-Request-Id %r, key %s): %d prompt(s), priority %d, %d tokens reserved",
-                    response_id, context.request_id, context.key_name, len(prompts), priority, cost)
+                    submission.response_id, context.request_id, context.key_name, len(prompts), priority, cost)
         return submission
 
     def decode_token(self, token_id: int, logprob: Optional[Logprob] = None) -> str:
