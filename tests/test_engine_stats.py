@@ -14,7 +14,7 @@ import pytest
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.engine.stats import IterationStats, SchedulerStats
+from pagedllm.engine.stats import IterationStats, LoadStats, LoadTracker, SchedulerStats
 from pagedllm.sampling_params import SamplingParams
 from tests.conftest import make_tiny_engine
 from tests.test_server import MODEL, InThreadServer, idle, smollm2_tokenizer, tiny_chat_engine, wait_for_metrics
@@ -140,3 +140,19 @@ def test_server_routes_read_nothing_of_the_engine_outside_its_thread(monkeypatch
         assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_used_blocks) == (0, 0, 0)
         assert stats.iteration.step > 0 and server.engine.model_info.vocab_size > 0
         assert guard.violations == []
+
+
+def test_finish_rate_counts_finishes_over_the_steps_that_made_them():
+    """Found by a fresh user: finishes all made by one step (a batch of prompts ending
+    together) had one timestamp, so the rate was 0 ("unknown") and queue-wait shedding was off
+    until more finished. Each finish now dates from its step's start: n finishes from the
+    first one's step start to now."""
+    tracker = LoadTracker()
+    tracker.record_step(0.5, 4, now=10.0)  # 4 finishes by a step of 10.0 - 0.5 .. 10.0
+    assert tracker.snapshot(10.0).finish_rate == 4 / 0.5
+    assert tracker.snapshot(12.5).finish_rate == 4 / 3.0  # decays while nothing finishes
+    tracker.record_step(0.5, 1, now=13.0)
+    assert tracker.snapshot(13.0) == LoadStats(step_time=0.5, finish_rate=5 / 3.5, num_steps=2, num_finished=5)
+    one = LoadTracker()
+    one.record_step(0.5, 1, now=10.0)
+    assert one.snapshot(10.0).finish_rate == 0.0  # one finish: unknown

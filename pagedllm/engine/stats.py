@@ -155,8 +155,9 @@ class LoadStats:
 
     Attributes:
         step_time: mean wall seconds of the recent steps (0.0: no step yet).
-        finish_rate: requests finished per second over the recent finishes, counted up to
-            the snapshot (0.0: fewer than two finishes seen, so unknown).
+        finish_rate: requests finished per second over the recent finishes, counted from the
+            start of the step that made the first of them to the snapshot (0.0: fewer than
+            two finishes seen, so unknown).
         num_steps: steps the mean is over.
         num_finished: finishes the rate is over.
     """
@@ -196,19 +197,19 @@ class LoadTracker:
 
     def __init__(self, window: int = 32) -> None:
         self._step_times: deque[float] = deque(maxlen=window)
-        self._finish_times: deque[float] = deque(maxlen=window)
+        self._finish_steps: deque[float] = deque(maxlen=window)  # each finish's step start
 
     def record_step(self, duration: float, num_finished: int, now: float) -> None:
         """One step took ``duration`` seconds and finished ``num_finished`` requests at
         ``now`` (monotonic seconds)."""
         self._step_times.append(duration)
-        self._finish_times.extend([now] * num_finished)
+        self._finish_steps.extend([now - duration] * num_finished)
 
     def snapshot(self, now: float) -> LoadStats:
-        steps, finishes = self._step_times, self._finish_times
+        """The finish rate is the kept finishes over the time from the start of the step that
+        made the first of them to ``now``, not to the last finish: a rate decays while nothing
+        finishes, and finishes all made by one step still give one (their count over it)."""
+        steps, finishes = self._step_times, self._finish_steps
         step_time = math.fsum(steps) / len(steps) if steps else 0.0
-        rate = 0.0
-        if len(finishes) >= 2 and now > finishes[0]:
-            # Up to now, not to the last finish: a rate decays while nothing finishes.
-            rate = (len(finishes) - 1) / (now - finishes[0])
+        rate = len(finishes) / (now - finishes[0]) if len(finishes) >= 2 and now > finishes[0] else 0.0
         return LoadStats(step_time, rate, len(steps), len(finishes))
