@@ -397,16 +397,26 @@ def test_stream_options_with_stream_true_still_work(tiny_server):
 
 
 def test_continuous_usage_stats_in_completions(tiny_server):
-    """With ``continuous_usage_stats`` (vLLM's) every completions chunk carries the usage so far."""
+    """With ``continuous_usage_stats`` (vLLM's) every completions chunk carries its choice's
+    usage so far: that choice's prompt and tokens (a fresh user found them summed over the
+    request's choices; vLLM counts the chunk's own). Two prompts of 2 and 3 tokens, n=2."""
     with httpx.stream("POST", tiny_server.url + "/v1/completions", timeout=30, json={
-            "prompt": [1, 2], "max_tokens": 3, "ignore_eos": True, "stream": True,
+            "prompt": [[1, 2], [3, 4, 5]], "n": 2, "max_tokens": 3, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as stream:
         events = sse_events(stream.iter_lines())
     assert events[-1] == "[DONE]"
-    assert events[-2]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
-    so_far = [event["usage"]["completion_tokens"] for event in events[:-2]]  # tokens may come several a chunk
-    assert so_far == sorted(so_far) and so_far[0] >= 1 and so_far[-1] == 3
-    assert all(event["usage"]["prompt_tokens"] == 2 for event in events[:-1])
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == {"prompt_tokens": 5, "completion_tokens": 12,
+                                                                   "total_tokens": 17}
+    so_far: dict[int, list[int]] = {}
+    for event in events[:-2]:
+        (choice,) = event["choices"]
+        usage = event["usage"]
+        assert usage["prompt_tokens"] == [2, 3][choice["index"] // 2]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        so_far.setdefault(choice["index"], []).append(usage["completion_tokens"])
+    assert sorted(so_far) == [0, 1, 2, 3]
+    for counts in so_far.values():  # tokens may come several a chunk
+        assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 3
 
 
 COMPLETION_INTS = ["max_tokens", "n", "logprobs", "seed", "top_k", "min_tokens", "best_of", "prompt_logprobs"]

@@ -38,7 +38,7 @@ class OpenAIBaseModel(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     """``include_usage``: a last chunk with the usage (OpenAI's); ``continuous_usage_stats``
-    (vLLM's): with ``include_usage``, every chunk carries the usage so far too."""
+    (vLLM's): with ``include_usage``, every chunk carries its choice's usage so far too."""
 
     include_usage: Optional[Bool] = False
     continuous_usage_stats: Optional[Bool] = False
@@ -163,7 +163,7 @@ class _SamplingFields(OpenAIBaseModel):
 
     @property
     def continuous_usage(self) -> bool:
-        """Whether every streamed chunk carries the usage so far (vLLM's ``continuous_usage_stats``,
+        """Whether every streamed chunk carries its choice's usage so far (vLLM's ``continuous_usage_stats``,
         which takes effect with ``include_usage``)."""
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 

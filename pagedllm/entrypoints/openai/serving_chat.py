@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.engine.protocol import OutputStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, sampling_params_error
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIServing, SSEResponse,
+from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIServing, SSEResponse, choice_usage,
                                                         collect_final, merge_streams, now_seconds, prompt_logprobs_json,
                                                         run_until_disconnect,
                                                         sse, sse_with_errors, usage)
@@ -192,9 +192,8 @@ class OpenAIServingChat(OpenAIServing):
                     "model": self.response_model(request.model),
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                  "finish_reason": finish_reason, "stop_reason": stop_reason}]}
-            if request.continuous_usage:
-                body["usage"] = usage([final]) if final is not None else \
-                    {"prompt_tokens": num_prompt_tokens, "completion_tokens": 0, "total_tokens": num_prompt_tokens}
+            if request.continuous_usage:  # this choice's prompt and tokens so far
+                body["usage"] = choice_usage(final, index, num_prompt_tokens)
             elif request.include_usage:
                 body["usage"] = None
             return sse(body)

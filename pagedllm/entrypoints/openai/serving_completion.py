@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.engine.protocol import OutputStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, sampling_params_error
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
-from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIServing, SSEResponse,
+from pagedllm.entrypoints.openai.serving_engine import (ChoiceState, OpenAIServing, SSEResponse, choice_usage,
                                                         collect_final, merge_streams, now_seconds, prompt_logprobs_json,
                                                         run_until_disconnect,
                                                         sse, sse_with_errors, usage)
@@ -95,8 +95,8 @@ class OpenAIServingCompletion(OpenAIServing):
             body = {"id": request_id, "object": "text_completion", "created": created, "model": self.response_model(request.model),
                     "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                  "finish_reason": finish_reason, "stop_reason": stop_reason}]}
-            if request.continuous_usage:
-                body["usage"] = usage(finals)  # the prompts and tokens so far
+            if request.continuous_usage:  # this choice's prompt and tokens so far
+                body["usage"] = choice_usage(finals[index // request.n], index % request.n)
             elif request.include_usage:
                 body["usage"] = None
             return sse(body)

@@ -427,6 +427,16 @@ def usage(outputs: Sequence[Optional[RequestOutput]]) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def choice_usage(output: Optional[RequestOutput], index: int, num_prompt_tokens: int = 0) -> dict[str, int]:
+    """Usage of one choice so far, as vLLM's ``continuous_usage_stats`` chunks carry it: its
+    prompt's tokens and the tokens of its completion ``index`` (``num_prompt_tokens`` and 0
+    before the first output)."""
+    prompt_tokens = len(output.prompt_token_ids) if output is not None else num_prompt_tokens
+    completion_tokens = sum(len(c.token_ids) for c in output.outputs if c.index == index) if output is not None else 0
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 async def merge_streams(streams: Sequence[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """``(prompt index, output)`` from several streams as they come; closes them all at the end
     (which aborts those unfinished: the reader was cancelled or failed)."""
