@@ -69,7 +69,8 @@ def client_context(raw_request: Request) -> ClientContext:
 class Submission:
     """One API request's engine requests, its rate-limit admission and its place in the
     registry. ``close()`` (idempotent) ends all three: unfinished engine requests are aborted,
-    the key is charged the tokens of the outputs the client got, the id is forgotten."""
+    the key is charged the prompt and generated tokens of the outputs so far (a client that
+    left is charged what was generated until then), the id is forgotten."""
 
     def __init__(self, context: ClientContext, response_id: str, streams: list[OutputStream],
                  admission: Admission, registry: "RequestRegistry") -> None:
