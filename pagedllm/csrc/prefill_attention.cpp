@@ -364,17 +364,20 @@ struct Aligned32 {
 };
 
 constexpr int64_t kTile8 = 8;    // keys per tile (one ymm of fp32 scores), rows per float_scores8
-constexpr int64_t kQTile8 = 16;  // queries per work item: each K/V tile read from L3 once for 16
+// Queries per work item (fewer in a shorter chunk): each K/V tile is read from L3 once for all of
+// them. At 16k keys the K/V stream per query bounded the kernel: 128 queries per item ran
+// 1.3-1.6x faster than 16 (docs/benchmarks/avx2-build.md, "Prefill: 128 queries per item").
+constexpr int64_t kQTile8 = 128;
 static_assert(kFoldTokens % kTile8 == 0, "a V chunk (ops.h) is whole key tiles");
 
 
 // s[i] lane j = q_i . k_j for 8 query rows (q: [8][kHeadDim] fp32) and a tile of 8 keys of K
 // transposed (dimension d of key j at k[d * 8 + j]), each sum in the decode kernel's order (its
 // AVX2 group_scores): lane l's partial sum adds dimensions l, l + 8, ... (a multiply, then FMAs),
-// and the 8 partial sums are added as hsum8 adds them: (l, l + 4), then (l, l + 2), then (0, 1). Here each lane's partial
-// sums are a vector over the 8 keys, so that tree is vertical adds. Over an int8 cache q and k
-// hold codes: every partial sum is an integer below 2^24, exact, so the score equals the
-// decode kernel's integer dot product.
+// and the 8 partial sums are added as hsum8 adds them: (l, l + 4), then (l, l + 2), then (0, 1).
+// Here each lane's partial sums are a vector over the 8 keys, so that tree is vertical adds. Over
+// an int8 cache q and k hold codes: every partial sum is an integer below 2^24, exact, so the
+// score equals the decode kernel's integer dot product.
 template <int kHeadDim>
 inline void float_scores8(const float* q, const float* k, __m256 (&s)[kTile8]) {
   // Lane l's partial sums for the 8 rows at once: each K vector loaded once for all of them.
@@ -426,23 +429,30 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   pack_key_tiles<kTile8, kHeadDim>(row_of, k_base, context_len, num_kv_heads, padded, kt.data(), k_scales.data());
 
   // Items (head, query tile) from a shared counter, the costliest tiles first (as prefill_impl).
-  const int64_t tiles = (q_len + kQTile8 - 1) / kQTile8, num_items = num_heads * tiles;
+  // A multiple of 8, halved (down to 16) while there would be fewer than 4 items per thread.
+  auto round8 = [](int64_t n) { return (n + kTile8 - 1) / kTile8 * kTile8; };
+  int64_t tile_rows = std::min(kQTile8, round8(q_len));
+  while (tile_rows > 16 && num_heads * ((q_len + tile_rows - 1) / tile_rows) < 4 * at::get_num_threads()) {
+    tile_rows = std::max<int64_t>(16, round8(tile_rows / 2));
+  }
+  const int64_t tiles = (q_len + tile_rows - 1) / tile_rows, num_items = num_heads * tiles;
   std::atomic<int64_t> next_item{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    alignas(32) float q[kQTile8 * kHeadDim];
-    alignas(32) float o[kQTile8 * kHeadDim];
-    alignas(32) float oc[kQTile8 * kHeadDim];  // a later kFoldTokens chunk's sum (ops.h)
-    float inv_sum[kQTile8], q_scales[kQTile8];
+    const size_t tile_size = static_cast<size_t>(tile_rows * kHeadDim);
+    std::vector<float, Aligned32<float>> q_rows(tile_size), o_rows(tile_size), oc_rows(tile_size);
+    float *q = q_rows.data(), *o = o_rows.data();
+    float* oc = oc_rows.data();  // a later kFoldTokens chunk's sum (ops.h)
+    std::vector<float> inv_sum(tile_rows), q_scales(tile_rows);
     int8_t q8[kHeadDim + kKvScaleBytes];
     // The tile's scores, then softmax weights: row i's key j at scores[i * padded + j].
-    std::vector<float> scores(static_cast<size_t>(kQTile8 * padded));
+    std::vector<float> scores(static_cast<size_t>(tile_rows * padded));
     for (int64_t item = next_item++; item < num_items; item = next_item++) {
       const int64_t head = item % num_heads, tile = tiles - 1 - item / num_heads;
       const int64_t kv_head = head / group;
-      const int64_t row0 = tile * kQTile8, rows = std::min(kQTile8, q_len - row0);
+      const int64_t row0 = tile * tile_rows, rows = std::min(tile_rows, q_len - row0);
       const int64_t pos0 = first_pos + row0, last_pos = pos0 + rows - 1;
       const int64_t keys_end = (last_pos + kTile8) / kTile8 * kTile8;
-      for (int64_t i = 0; i < kQTile8; ++i) {
+      for (int64_t i = 0; i < round8(rows); ++i) {  // rows are scored 8 at a time
         float* qi = q + i * kHeadDim;
         const T* src = q_base + (row0 + i) * q_token_stride + head * q_head_stride;
         for (int d = 0; d < kHeadDim; ++d) qi[d] = i < rows ? to_float(src[d]) * scale : 0.f;
@@ -452,9 +462,11 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
           q_scales[i] = kv_row_scale(q8, kHeadDim);
         }
       }
+      // Scores of every key tile up to each group of 8 rows' last position (the later ones are
+      // masked: the softmax below fills them with 0).
       const float* k_head = kt.data() + kv_head * kHeadDim * padded;
       for (int64_t key0 = 0; key0 < keys_end; key0 += kTile8) {
-        for (int64_t i0 = 0; i0 < rows; i0 += kTile8) {
+        for (int64_t i0 = std::max<int64_t>(0, key0 - pos0) / kTile8 * kTile8; i0 < rows; i0 += kTile8) {
           __m256 s[kTile8];
           float_scores8<kHeadDim>(q + i0 * kHeadDim, k_head + key0 * kHeadDim, s);
           if constexpr (kInt8Cache) {
@@ -466,15 +478,15 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
           for (int i = 0; i < kTile8; ++i) _mm256_storeu_ps(scores.data() + (i0 + i) * padded + key0, s[i]);
         }
       }
-      for (int64_t i = 0; i < kQTile8; ++i) {
+      for (int64_t i = 0; i < rows; ++i) {
         float* row = scores.data() + i * padded;
-        const int64_t n = i < rows ? pos0 + i + 1 : 0;
-        if (n > 0) softmax_rows(row, n, 1, inv_sum + i);
+        const int64_t n = pos0 + i + 1;
+        softmax_rows(row, n, 1, inv_sum.data() + i);
         std::fill(row + n, row + keys_end, 0.f);
       }
       // The weighted sum in position order, kFoldTokens keys at a time (as prefill_impl), each
       // row's 64 values at a time in registers; an int8 cache's weights times the row's scale.
-      std::fill(o, o + kQTile8 * kHeadDim, 0.f);
+      std::fill(o, o + rows * kHeadDim, 0.f);
       auto fold_chunk = [&](int64_t chunk_start) {
         for (int64_t i = std::max<int64_t>(0, chunk_start - pos0); i < rows; ++i) {
           for (int d = 0; d < kHeadDim; d += 8) {
@@ -486,7 +498,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
       for (int64_t key0 = 0; key0 <= last_pos; key0 += kTile8) {
         if (key0 > 0 && key0 % kFoldTokens == 0) {
           if (key0 > kFoldTokens) fold_chunk(key0 - kFoldTokens);
-          std::fill(oc, oc + kQTile8 * kHeadDim, 0.f);
+          std::fill(oc, oc + rows * kHeadDim, 0.f);
         }
         float* sum = key0 < kFoldTokens ? o : oc;
         const int64_t keys = std::min(kTile8, last_pos + 1 - key0);
@@ -496,7 +508,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
           v_rows[j] = row_of(v_base, key0 + j) + kv_head * kRow;
           v_scales[j] = kv_row_scale(v_rows[j], kHeadDim);
         }
-        for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t i = std::max<int64_t>(0, key0 - pos0); i < rows; ++i) {  // rows seeing a key of it
           const float* w = scores.data() + i * padded + key0;
           float wv[kTile8];
           for (int64_t j = 0; j < keys; ++j) wv[j] = kInt8Cache ? w[j] * v_scales[j] : w[j];
