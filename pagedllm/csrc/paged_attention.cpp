@@ -144,6 +144,12 @@ struct HeadRange {
   int64_t first_head() const { return kv_head_begin * group; }
   int64_t heads() const { return (kv_head_end - kv_head_begin) * group; }
 };
+
+// acc[i] += part[i] for i < size (the fold of a kFoldTokens chunk's weighted sum into the total;
+// each element one add, so the compiler's vectors give the same bits).
+inline void fold_into(float* acc, const float* part, int64_t size) {
+  for (int64_t i = 0; i < size; ++i) acc[i] += part[i];
+}
 #endif  // a vector build
 
 #if defined(__AVX512F__)
@@ -364,11 +370,6 @@ inline void interleave_pairs(__m512 even, __m512 odd, __m512& lo, __m512& hi) {
                               odd);
 }
 
-// acc[i] += part[i] for i < size (the fold of a kFoldTokens chunk's weighted sum into the total).
-inline void fold_into(float* acc, const float* part, int64_t size) {
-  for (int64_t i = 0; i < size; i += 16) _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), _mm512_loadu_ps(part + i)));
-}
-
 // [num_heads, kHeadDim]; a bf16 cache's accumulators back in order by interleave_pairs).
 template <typename T, typename C, int kHeadDim>
 void store_heads(const float* acc, const float* inv_sum, HeadRange r, T* out) {
@@ -481,11 +482,6 @@ inline void group_accumulate(const float* p, int64_t n, const C* rows, const C* 
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(a_out + 8 * i, a[i]);
     }
   }
-}
-
-// acc[i] += part[i] for i < size (the fold of a kFoldTokens chunk's weighted sum into the total).
-inline void fold_into(float* acc, const float* part, int64_t size) {
-  for (int64_t i = 0; i < size; i += 8) _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_loadu_ps(part + i)));
 }
 
 // out[head] = acc[head] * inv_sum[head] for the range's heads (out: the sequence's output row
