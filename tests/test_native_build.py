@@ -120,12 +120,21 @@ OP_TESTS = ["tests/test_fused_ops.py", "tests/test_attention.py", "tests/test_qu
 AVX512_TESTS = ["tests/test_attention.py", "tests/test_kv_cache_dtype.py", "tests/test_quantization.py"]
 
 
+# The AVX2 build's run sees an AVX2-only CPU in torch too (an AMD Zen 3's view):
+# tests/avx2_cpu/sitecustomize.py makes torch's CPUID checks deny AVX-512, AVX512_BF16, VNNI and
+# AMX (so pagedllm's flags, its bf16 and AMX choices and the variants it reports are Zen 3's),
+# and torch's, oneDNN's and MKL's own kernels stop at AVX2 (oneDNN then refuses bf16, and its int8
+# product saturates: both red on a Zen 3 once, neither seen by PAGEDLLM_ISA=avx2 alone).
+AVX2_CPU_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
 @needs_x86
 @pytest.mark.parametrize("variant", [v.name for v in cpu_isa.VARIANTS[:-1]])
 def test_lower_variant_passes_the_op_tests(variant):
     """Each variant below the one this process loaded, run in a subprocess (one variant per
-    process): the AVX2 build runs every op test, so the portable code under each
-    ``#if defined(__AVX512F__)`` is tested on every CPU; the AVX-512 builds without
+    process): the AVX2 build runs every op test as on an AVX2-only CPU (``AVX2_CPU_ENV``), so
+    the portable code under each ``#if defined(__AVX512F__)`` is tested on every CPU, and
+    torch's AVX2 paths under the references; the AVX-512 builds without
     AVX512_BF16 / VNNI run the attention and quantized kernels whose paths those flags
     change at compile time. The highest variant is the one the rest of the suite runs."""
     runnable = [v.name for v in cpu_isa.executable_variants()]
@@ -135,6 +144,9 @@ def test_lower_variant_passes_the_op_tests(variant):
         pytest.skip(f"{variant} is this CPU's own build, which the whole suite runs")
     tests = OP_TESTS if variant == "avx2" else AVX512_TESTS
     env = dict(os.environ, PAGEDLLM_ISA=variant)
+    if variant == "avx2":
+        env.update(AVX2_CPU_ENV, PYTHONPATH=os.pathsep.join(
+            filter(None, [str(ROOT / "tests" / "avx2_cpu"), os.environ.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests,
                              "-k", "not smollm2 and not real_q4 and not answers_paris and not 270m"],
                             capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
@@ -173,6 +185,9 @@ def test_the_wheel_runs_without_a_compiler(tmp_path):
     env = {"PATH": str(venv / "bin"), "HOME": os.environ.get("HOME", "/root")}
     if cpu_isa.ISA_ENV in os.environ:  # the suite run with a forced variant (PAGEDLLM_ISA=avx2)
         env[cpu_isa.ISA_ENV] = os.environ[cpu_isa.ISA_ENV]
+    avx2_cpu = ROOT / "tests" / "avx2_cpu"  # or as an AVX2-only CPU (bench/peers/avx2_env.sh)
+    if any(Path(p).resolve() == avx2_cpu for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p):
+        env.update({key: os.environ[key] for key in AVX2_CPU_ENV if key in os.environ}, PYTHONPATH=str(avx2_cpu))
     result = subprocess.run([str(venv / "bin" / "python"), "-c", check], capture_output=True, text=True,
                             timeout=300, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

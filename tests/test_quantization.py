@@ -405,7 +405,7 @@ def _w8a8_layer(in_features=40, out_features=24, bias=True, seed=0):
 def test_w8a8_native_equals_torch_twin_bitwise(dtype, rows, shape, bias):
     """The op's integer dot product over the blocked codes (VPDPBUSD, or the portable
     VPMADDUBSW one; blocks of 8 rows x 2 tiles, then the rest) is exact, so every path is
-    bitwise the torch twin's ``_int_mm``."""
+    bitwise the torch twin's (``int8_matmul_exact``)."""
     from pagedllm.layers import ops
 
     native = ops.native_ops()
@@ -421,6 +421,23 @@ def test_w8a8_native_equals_torch_twin_bitwise(dtype, rows, shape, bias):
         got = native.w8a8_linear(x, *args, portable)
         assert got.dtype == dtype and got.shape == (rows, shape[1])
         assert torch.equal(got, w8a8_linear_torch(x, *args))
+
+
+@pytest.mark.parametrize("k", [1, 1024, 1025, 4096])
+def test_int8_matmul_exact_at_the_extremes(k):
+    """The torch twin's int8 product is exact where fp32 and int16 pair sums are not: codes at
+    -128 and 127 over up to 4,096 input channels (sums near 6.7e7, past fp32's 2 ** 24 and
+    VPMADDUBSW's int16), against int64 arithmetic."""
+    from pagedllm.layers.quantization.w8a8 import int8_matmul_exact
+
+    g = torch.Generator().manual_seed(k)
+    a = torch.randint(-128, 128, (5, k), generator=g, dtype=torch.int8)
+    b = torch.randint(-128, 128, (7, k), generator=g, dtype=torch.int8)
+    a[0], b[0], b[1] = 127, 127, -128  # the largest sums of either sign
+    expected = (a.long()[:, None, :] * b.long()[None, :, :]).sum(-1)
+    got = int8_matmul_exact(a, b)
+    assert got.dtype == torch.int32
+    assert torch.equal(got.long(), expected)
 
 
 def test_w8a8_blocked_layout_keeps_every_code():

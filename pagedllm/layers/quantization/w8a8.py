@@ -44,12 +44,33 @@ def unblock_w8a8(blocked: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return (unsigned[:n, :k].to(torch.int16) - 128).to(torch.int8).contiguous()
 
 
+# Input channels per fp32 product in int8_matmul_exact: 1,024 x 128 x 128 = 2 ** 24.
+EXACT_FP32_CHANNELS = 1024
+
+
+def int8_matmul_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b.T`` of int8 matrices, exact: ``[M, K]`` x ``[N, K]`` -> ``[M, N]`` int32.
+
+    Computed as fp32 products over runs of at most 1,024 input channels: every partial sum is
+    an integer of magnitude at most 2 ** 24, so each run's product is exact
+    in whatever order the GEMM adds, and the runs are added in int32. Not ``torch._int_mm``:
+    on CPUs without VNNI (AVX2-only, as an AMD Zen 3) oneDNN multiplies int8 with VPMADDUBSW,
+    whose int16 pair sums saturate, and its result was off by up to ~10 ** 5 (torch 2.13,
+    ``ONEDNN_MAX_CPU_ISA=AVX2``).
+    """
+    out = torch.zeros(a.shape[0], b.shape[0], dtype=torch.int32)
+    for start in range(0, a.shape[1], EXACT_FP32_CHANNELS):
+        end = start + EXACT_FP32_CHANNELS
+        out += (a[:, start:end].float() @ b[:, start:end].float().t()).to(torch.int32)
+    return out
+
+
 def w8a8_linear_torch(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, smooth_inv: torch.Tensor,
                       bias: Optional[torch.Tensor]) -> torch.Tensor:
     """The torch twin of the C++ ``w8a8_linear`` (``csrc/w8a8.cpp``), bitwise equal to it.
 
     Each row of ``x * smooth_inv`` is quantized to int8 with its own scale (``absmax / 127``,
-    round half to even), multiplied by ``codes`` in int32 (``torch._int_mm``: exact), and the
+    round half to even), multiplied by ``codes`` exactly (``int8_matmul_exact``), and the
     result is scaled back as ``(acc * x_scale) * scales + bias``.
 
     Args:
@@ -65,7 +86,7 @@ def w8a8_linear_torch(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     x_scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
     x_scales = torch.where(v.isfinite().all(dim=1, keepdim=True), x_scales, torch.nan)  # NaN in, NaN out
     q = torch.round(v / x_scales).clamp_(-127, 127).to(torch.int8)
-    y = torch._int_mm(q, codes.t()).float() * x_scales * scales
+    y = int8_matmul_exact(q, codes).float() * x_scales * scales
     return (y if bias is None else y + bias).to(x.dtype)
 
 
