@@ -82,8 +82,10 @@ def _peak_rss() -> int:
 def test_chunked_prefill_of_a_32k_prompt_grows_memory_linearly(tmp_path, dtype):
     """The exact prefill kernel's scratch per call is the context's K transposed to fp32
     (``num_kv_heads * head_dim * context_len`` floats: 8 MiB here) plus a 16-query tile of scores
-    per thread, the bf16 kernel's its K and V packed in bf16 (8 MiB); a chunk's ``[2048, 32768]``
-    fp32 score matrix would be 256 MiB, a whole prompt's 4 GiB."""
+    per thread (the AVX2 build's: up to 8 MiB of scores per thread), the bf16 kernel's its K and V
+    packed in bf16 (8 MiB); a chunk's ``[2048, 32768]`` fp32 score matrix would be 256 MiB, a
+    whole prompt's 4 GiB. (With 128 rows of scores per thread the AVX2 build grew 132 MiB here in
+    a whole-suite run on an AVX2-only view of the CPU, ``AVX2_CPU_ENV``; 60 MiB alone since.)"""
     if native_ops() is None:
         pytest.skip("the C++ ops are not loaded: the SDPA fallback builds a [q_len, context_len] mask per "
                     "chunk (bench/long_context.py measures it)")

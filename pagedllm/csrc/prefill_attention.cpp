@@ -368,6 +368,11 @@ constexpr int64_t kTile8 = 8;    // keys per tile (one ymm of fp32 scores), rows
 // them. At 16k keys the K/V stream per query bounded the kernel: 128 queries per item ran
 // 1.3-1.6x faster than 16 (docs/benchmarks/avx2-build.md, "Prefill: 128 queries per item").
 constexpr int64_t kQTile8 = 128;
+// A thread's scores (an item's rows x the context, fp32) are capped at 8 MiB: fewer rows per item
+// past 16k keys (64 at 32k, at least 16), so the scratch grows with the context, not with it
+// times 128 rows. At 2,048 x 32,768 (Llama-3.1-8B heads) 64 rows also ran 1.13-1.19x faster than
+// 128, 32 rows 0.89-0.94x as fast (docs/benchmarks/avx2-build.md).
+constexpr int64_t kMaxScoreBytes8 = 8 << 20;
 static_assert(kFoldTokens % kTile8 == 0, "a V chunk (ops.h) is whole key tiles");
 
 
@@ -429,9 +434,11 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   pack_key_tiles<kTile8, kHeadDim>(row_of, k_base, context_len, num_kv_heads, padded, kt.data(), k_scales.data());
 
   // Items (head, query tile) from a shared counter, the costliest tiles first (as prefill_impl).
-  // A multiple of 8, halved (down to 16) while there would be fewer than 4 items per thread.
+  // A multiple of 8, at most kMaxScoreBytes8 of scores, halved (down to 16) while there would be
+  // fewer than 4 items per thread.
   auto round8 = [](int64_t n) { return (n + kTile8 - 1) / kTile8 * kTile8; };
-  int64_t tile_rows = std::min(kQTile8, round8(q_len));
+  const int64_t row_cap = std::max<int64_t>(16, kMaxScoreBytes8 / (padded * 4) / kTile8 * kTile8);
+  int64_t tile_rows = std::min({kQTile8, round8(q_len), row_cap});
   while (tile_rows > 16 && num_heads * ((q_len + tile_rows - 1) / tile_rows) < 4 * at::get_num_threads()) {
     tile_rows = std::max<int64_t>(16, round8(tile_rows / 2));
   }
