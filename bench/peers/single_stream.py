@@ -2,7 +2,7 @@
 the same weights, each run in a fresh process, alternated ``--repeats`` times.
 
     .venv/bin/python bench/peers/single_stream.py [--repeats 2] [--model NAME] [--llama-venv V]
-        [--gguf F [F ...]] [--configs none int8 int4 int4:bf16kv w4a8:int8kv ...]
+        [--gguf F [F ...]] [--configs none int8 int4 int4:bf16kv w4a8:int8kv ...] [--dtype auto]
 
 Prompt: the first 256 tokens of the shipped text (pagedllm's tokenizer), 128 new tokens,
 greedy, EOS ignored; decode speed is the rate after the first token on both sides. pagedllm
@@ -33,7 +33,7 @@ CONFIGS += [f"{q}:{kv}" for kv in ("bf16kv", "int8kv") for q in CONFIGS]
 KV_CACHE_DTYPES = {"": "auto", "bf16kv": "bfloat16", "int8kv": "int8"}
 
 
-def pagedllm_worker(prompt_path: str, config: str, model: str) -> None:
+def pagedllm_worker(prompt_path: str, config: str, model: str, dtype: str) -> None:
     """One pagedllm single-stream run (in its own process); prints RESULT."""
     from pagedllm import LLM
     from pagedllm.benchmarks.throughput import single_stream_pagedllm
@@ -41,7 +41,7 @@ def pagedllm_worker(prompt_path: str, config: str, model: str) -> None:
     data = json.loads(Path(prompt_path).read_text())
     quantization, _, kv = config.partition(":")
     start = time.perf_counter()
-    llm = LLM(model=model, quantization=None if quantization == "none" else quantization,
+    llm = LLM(model=model, dtype=dtype, quantization=None if quantization == "none" else quantization,
               kv_cache_dtype=KV_CACHE_DTYPES[kv],
               enable_prefix_caching=False, kv_cache_memory_bytes=BUDGET)
     startup_s = time.perf_counter() - start
@@ -66,8 +66,10 @@ def main() -> int:
                         help="GGUF files for llama.cpp, the first one the reference (a bf16 conversion)")
     parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS,
                         help="pagedllm quantizations to run (default all)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="pagedllm's compute dtype (default auto: bfloat16 where the CPU has bf16 units)")
     parser.add_argument("--workdir", default=peers_dir)
-    parser.add_argument("--worker", nargs=3, metavar=("PROMPT_JSON", "CONFIG", "MODEL"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=4, metavar=("PROMPT_JSON", "CONFIG", "MODEL", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         pagedllm_worker(*args.worker)
@@ -82,13 +84,14 @@ def main() -> int:
     prompt_path = workdir / "single_stream_prompt.json"
     prompt_path.write_text(json.dumps({"prompt_token_ids": tokens[:256], "warmup_token_ids": tokens[256:272],
                                        "new_tokens": 128}))
-    commands = {q: [sys.executable, str(Path(__file__).resolve()), "--worker", str(prompt_path), q, args.model]
+    commands = {q: [sys.executable, str(Path(__file__).resolve()), "--worker", str(prompt_path), q, args.model,
+                    args.dtype]
                 for q in args.configs}
     for gguf in args.gguf:
         commands[gguf] = [str(Path(args.llama_venv) / "bin" / "python"), str(HERE / "llama_cpp_single_stream.py"),
                           "--gguf", gguf, "--prompt-json", str(prompt_path)]
     reference = args.gguf[0]
-    print(f"machine: {os.cpu_count()} CPUs; {args.model}; prompt 256 tokens, 128 new, greedy; "
+    print(f"machine: {os.cpu_count()} CPUs; {args.model}, dtype {args.dtype}; prompt 256 tokens, 128 new, greedy; "
           f"llama.cpp on {', '.join(args.gguf)}", flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in commands}
     stamp = time.strftime("%Y%m%d-%H%M%S")
