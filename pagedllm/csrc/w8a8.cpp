@@ -30,8 +30,8 @@
 // which reads each weight byte once per block of rows, is as fast as _int_mm from 2,048 rows
 // down and faster below (bench/README.md). Without AVX512_VNNI (or with `portable`) the dot
 // product is VPMADDUBSW + VPMADDWD on the weight's two nibbles, whose int16 pair sums cannot
-// saturate (2 * 15 * 127 < 32767): the same int32 sums. Without AVX512BW the same on AVX2's
-// 256-bit registers; without AVX2 a scalar loop.
+// saturate (2 * 15 * 127 < 32767): the same int32 sums. Without AVX512BW, AVX2's VPMADDUBSW on
+// the codes' magnitudes and signs (avx2_block); without AVX2 a scalar loop.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -195,28 +195,33 @@ void blocked_rows(const int8_t* q, const int32_t* qsum, const float* xs, int64_t
   }
 }
 #elif defined(__AVX2__)
-// AVX2 (the x86-64-v3 build): the AVX-512 path's VPMADDUBSW + VPMADDWD dot product on the two
-// 32-byte halves of a tile's 64-byte step (channels 0-7 and 8-15), R <= 4 rows at a time (8
-// accumulators of the 16 vector registers). The same exact int32 sums, the same fp32 epilogue.
+// AVX2 (the x86-64-v3 build): llama.cpp's AVX2 int8 dot product on the two 32-byte halves of a
+// tile's 64-byte step (channels 0-7 and 8-15), R <= 4 rows at a time (8 accumulators of the 16
+// vector registers). The codes come back to signed (XOR 0x80); VPMADDUBSW multiplies their
+// magnitudes (unsigned) by the row's codes with the weight's sign (VPSIGNB), whose int16 pair
+// sums cannot saturate (2 * 127 * 127 < 32767), so each int32 sum is exact and no 128 * qsum
+// correction is needed: the same sums as the AVX-512 paths, the same fp32 epilogue. Against the
+// nibble split the AVX-512 portable path uses, 4 instructions per row and half-tile instead of 10.
 template <int R, typename T>
-inline void avx2_block(const int8_t* q, const int32_t* qsum, const float* xs, int64_t steps, const uint8_t* tile,
+inline void avx2_block(const int8_t* q, const float* xs, int64_t steps, const uint8_t* tile,
                        const float* scales, const float* bias, int64_t live, T* y, int64_t n) {
   const int64_t kp = steps * 4;
   __m256i acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   for (int64_t j = 0; j < steps; ++j) {
-    const __m256i w[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + j * 64)),
-                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + j * 64 + 32))};
+    __m256i w[2], magnitude[2];
+    for (int h = 0; h < 2; ++h) {
+      w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + j * 64 + 32 * h)), flip);
+      magnitude[h] = _mm256_abs_epi8(w[h]);
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m256i x = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(q + r * kp + 4 * j));
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w[h], low4), x), ones);
-        const __m256i hi =
-            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w[h], 4), low4), x), ones);
-        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4)));
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(x, w[h]));
+        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(pairs, ones));
       }
     }
   }
@@ -225,7 +230,7 @@ inline void avx2_block(const int8_t* q, const int32_t* qsum, const float* xs, in
     _mm256_store_si256(reinterpret_cast<__m256i*>(sums), acc[r][0]);
     _mm256_store_si256(reinterpret_cast<__m256i*>(sums + 8), acc[r][1]);
     for (int64_t ch = 0; ch < live; ++ch) {
-      float v = (static_cast<float>(sums[ch] - 128 * qsum[r]) * xs[r]) * scales[ch];
+      float v = (static_cast<float>(sums[ch]) * xs[r]) * scales[ch];
       if (bias != nullptr) v = v + bias[ch];
       store_scalar(y + r * n + ch, v);
     }
@@ -271,12 +276,12 @@ void blocked_linear(const int8_t* q, const int32_t* qsum, const float* xs, int64
             const float* bi = b != nullptr ? b + i * kTile : nullptr;
             int64_t r = 0;
             for (; r + 4 <= rows; r += 4)
-              avx2_block<4>(qr + r * kp, qsum + row0 + r, xs + row0 + r, steps, wt, sc + i * kTile, bi, channels,
+              avx2_block<4>(qr + r * kp, xs + row0 + r, steps, wt, sc + i * kTile, bi, channels,
                             out + r * n + i * kTile, n);
             switch (rows - r) {
 #define CASE(R)                                                                                                 \
   case R:                                                                                                       \
-    avx2_block<R>(qr + r * kp, qsum + row0 + r, xs + row0 + r, steps, wt, sc + i * kTile, bi, channels,      \
+    avx2_block<R>(qr + r * kp, xs + row0 + r, steps, wt, sc + i * kTile, bi, channels,                       \
                   out + r * n + i * kTile, n);                                                                  \
     break;
               CASE(1) CASE(2) CASE(3)
