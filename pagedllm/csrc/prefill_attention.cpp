@@ -370,7 +370,7 @@ constexpr int64_t kTile8 = 8;    // keys per tile (one ymm of fp32 scores), rows
 constexpr int64_t kQTile8 = 128;
 // A thread's scores (an item's rows x the context, fp32) are capped at 8 MiB: fewer rows per item
 // past 16k keys (64 at 32k, at least 16), so the scratch grows with the context, not with it
-// times 128 rows. At 2,048 x 32,768 (Llama-3.1-8B heads) 64 rows also ran 1.13-1.19x faster than
+// times 128 rows. At 2,048 x 32,768 (Llama-3.1-8B heads) 64 rows also ran 1.17-1.19x faster than
 // 128, 32 rows 0.89-0.94x as fast (docs/benchmarks/avx2-build.md).
 constexpr int64_t kMaxScoreBytes8 = 8 << 20;
 static_assert(kFoldTokens % kTile8 == 0, "a V chunk (ops.h) is whole key tiles");

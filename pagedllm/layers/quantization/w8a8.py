@@ -52,11 +52,10 @@ def int8_matmul_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b.T`` of int8 matrices, exact: ``[M, K]`` x ``[N, K]`` -> ``[M, N]`` int32.
 
     Computed as fp32 products over runs of at most 1,024 input channels: every partial sum is
-    an integer of magnitude at most 2 ** 24, so each run's product is exact
-    in whatever order the GEMM adds, and the runs are added in int32. Not ``torch._int_mm``:
-    on CPUs without VNNI (AVX2-only, as an AMD Zen 3) oneDNN multiplies int8 with VPMADDUBSW,
-    whose int16 pair sums saturate, and its result was off by up to ~10 ** 5 (torch 2.13,
-    ``ONEDNN_MAX_CPU_ISA=AVX2``).
+    an integer of magnitude at most 2 ** 24, so each run's product is exact in whatever order
+    the GEMM adds, and the runs are added in int32. Not ``torch._int_mm``: on an AVX2-only CPU
+    (no VNNI, as an AMD Zen 3) oneDNN's s8 x s8 product is not exact; with oneDNN held to AVX2
+    (``ONEDNN_MAX_CPU_ISA=AVX2``, torch 2.13) it was off by up to 1.3e5 over 576 inputs.
     """
     out = torch.zeros(a.shape[0], b.shape[0], dtype=torch.int32)
     for start in range(0, a.shape[1], EXACT_FP32_CHANNELS):
